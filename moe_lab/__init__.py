@@ -1,0 +1,7 @@
+"""moe-lab: post-training Mixture-of-Experts language models with exact, testable methods."""
+
+from .methods.registry import apply, supported_methods
+from .moe import MoEPatch, supported_families
+
+__all__ = ["MoEPatch", "apply", "supported_families", "supported_methods"]
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""Loading models: real checkpoints by hub id or local path, or tiny random models from a config class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from .moe.registry import family_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dict(value) -> dict:
+    if value is None:
+        return {}
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(value)
+
+
+def build_config(config_class: str, overrides: Mapping):
+    """An HF config from its class name (e.g. ``OlmoeConfig``) and field overrides, validated."""
+    cls = getattr(transformers, config_class, None)
+    if cls is None:
+        raise ValueError(f"model.config_class={config_class!r} is not a transformers config class")
+    config = cls(**_as_dict(overrides))
+    validate_config(config)
+    return config
+
+
+def validate_config(config) -> None:
+    """Check the family is supported and its routing is well-formed, naming the offending field."""
+    spec = family_spec(config.model_type)
+    try:
+        spec.routing_rule(config)
+    except ValueError as err:
+        raise ValueError(f"model.config ({config.model_type}): {err}") from None
+
+
+def load_model(model_cfg, tokenizer=None):
+    """``(model, tokenizer)`` from a ``conf/model`` entry.
+
+    ``pretrained`` (hub id or local path) loads real weights; otherwise ``config_class`` + ``config``
+    builds a randomly initialised model seeded by ``seed``.
+    """
+    from .data.tokenizer import load_tokenizer
+
+    cfg = _as_dict(model_cfg)
+    dtype = DTYPES[cfg.get("dtype") or "float32"]
+    pretrained = cfg.get("pretrained")
+    if pretrained:
+        try:
+            config = transformers.AutoConfig.from_pretrained(pretrained)
+        except OSError as err:
+            raise OSError(
+                f"cannot load model {pretrained!r} ({err.__class__.__name__}); without hub access, download it "
+                f"elsewhere and set model.pretrained=/local/path/to/{str(pretrained).split('/')[-1]}"
+            ) from None
+        for key, value in _as_dict(cfg.get("config")).items():
+            setattr(config, key, value)
+        validate_config(config)
+        model = AutoModelForCausalLM.from_pretrained(pretrained, config=config, dtype=dtype)
+        tokenizer = tokenizer or load_tokenizer(cfg.get("tokenizer") or pretrained)
+    else:
+        if not cfg.get("config_class"):
+            raise ValueError("model: set either model.pretrained (hub id or path) or model.config_class")
+        config = build_config(cfg["config_class"], cfg.get("config"))
+        tokenizer = tokenizer or load_tokenizer(cfg.get("tokenizer") or "byte")
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer ({len(tokenizer)} "
+                f"tokens): raise model.config.vocab_size"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(cfg.get("seed") or 0))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

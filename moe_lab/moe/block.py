@@ -1,0 +1,120 @@
+"""moe-lab's MoE block, installed in place of an HF sparse-MoE block.
+
+It owns the HF block's children under the same names (so state-dict keys do not change), routes with
+the registry's :class:`~moe_lab.moe.routing.RoutingRule` (through the HF router module, so HF's
+``output_router_logits`` hooks keep recording), counts routing statistics and reproduces the family's
+output signature.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .routing import router_logits, select_topk
+from .stats import TokenContext, bincount_experts, in_backward_pass
+from .view import MoELayerView
+
+_ROUTER_CLASSES: dict[type, type] = {}
+
+
+def _moe_lab_router_forward(self, hidden_states):
+    """Router forward after installation: logits, then the installed routing policy."""
+    return self.moe_lab_policy(self, hidden_states)
+
+
+def routed_router_class(hf_class: type) -> type:
+    """A subclass of the HF router class whose forward runs moe-lab routing (hooks still match it)."""
+    if hf_class not in _ROUTER_CLASSES:
+        _ROUTER_CLASSES[hf_class] = type(
+            f"MoeLab{hf_class.__name__}", (hf_class,), {"forward": _moe_lab_router_forward}
+        )
+    return _ROUTER_CLASSES[hf_class]
+
+
+class ConventionalRouting:
+    """The family's own routing: ``(logits, top-k weights, top-k indices)`` as HF computes them."""
+
+    def __init__(self, view: MoELayerView):
+        self.rule = view.rule
+
+    def logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(router, "bias", None)
+        return router_logits(self.rule, x, router.weight, bias if isinstance(bias, torch.Tensor) else None)
+
+    def __call__(self, router: nn.Module, x: torch.Tensor):
+        logits = self.logits(router, x)
+        weights, indices = select_topk(
+            self.rule, logits, router.training, getattr(router, "e_score_correction_bias", None)
+        )
+        return logits, weights, indices
+
+
+class MoEBlock(nn.Module):
+    """One MoE layer under moe-lab. Also the per-layer handle exposed as ``MoEPatch.layers``."""
+
+    def __init__(self, view: MoELayerView, context: TokenContext):
+        super().__init__()
+        for name, child in view.block.named_children():
+            self.add_module(name, child)
+        self.view = _Frozen(view)
+        self.context = _Frozen(context)
+        self.index = view.index
+        self.num_experts = view.num_experts
+        self.top_k = view.top_k
+        self.train(view.block.training)
+        self.register_buffer("counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("total_counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+
+    @property
+    def spec(self):
+        return self.view.obj.spec
+
+    def reset_counts(self) -> None:
+        """Zero ``counts`` (tokens routed per expert since the last reset). ``total_counts`` keeps running."""
+        self.counts.zero_()
+
+    def _count(self, indices: torch.Tensor, batch: int, seq: int) -> None:
+        context = self.context.obj
+        if not (self.training or context.calibrating) or in_backward_pass():
+            return
+        with torch.no_grad():
+            counts = bincount_experts(indices, context.token_mask(batch, seq), self.num_experts)
+            self.counts += counts
+            self.total_counts += counts
+
+    def _jitter(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        noise = getattr(self.view.obj.config, spec.jitter_field, 0.0) if spec.jitter_field else 0.0
+        if self.training and noise > 0:
+            for _ in range(spec.jitter_passes):
+                x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
+        return x
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch, seq, hidden = hidden_states.shape
+        x = self._jitter(hidden_states).reshape(-1, hidden)
+        _, weights, indices = getattr(self, self.spec.router_attr)(x)
+        self._count(indices, batch, seq)
+        out = self.experts(x, indices, weights)
+        spec = self.spec
+        if spec.shared_attr is not None:
+            shared = getattr(self, spec.shared_attr)(x)
+            if spec.shared_gate_attr is not None:
+                shared = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x)) * shared
+            out = out + shared
+        out = out.reshape(batch, seq, hidden)
+        return (out, weights) if spec.returns_router_scores else out
+
+    def extra_repr(self) -> str:
+        return f"layer={self.index}, experts={self.num_experts}, top_k={self.top_k}"
+
+
+class _Frozen:
+    """Holds a plain reference without registering it as a submodule."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+

@@ -1,0 +1,25 @@
+"""Per-expert computation on slices of the packed expert tensors (never ``experts.<i>`` submodules)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .view import MoELayerView
+
+
+def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """Output [n, H] of routed expert ``expert`` on tokens ``x`` [n, H] (unweighted)."""
+    experts = view.experts
+    if view.spec.expert_layout == "gpt_oss":
+        gate_up = x @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]
+        return experts._apply_gate(gate_up) @ experts.down_proj[expert] + experts.down_proj_bias[expert]
+    gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    return F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+
+
+def expert_intermediate_size(view: MoELayerView) -> int:
+    """Intermediate width I of one routed expert."""
+    if view.spec.expert_layout == "gpt_oss":
+        return view.down_proj.shape[1]
+    return view.down_proj.shape[2]

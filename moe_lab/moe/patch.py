@@ -1,0 +1,185 @@
+"""``moe_lab.apply``: install moe-lab blocks into a loaded HF MoE model, in place."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .block import ConventionalRouting, MoEBlock, routed_router_class
+from .stats import TokenContext
+from .view import MoELayerView, dense_layer_indices, find_moe_layers
+
+PARAMETER_GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "other")
+
+
+class MoEPatch:
+    """The moe-lab blocks installed in one model, with export/remove and routing statistics."""
+
+    def __init__(self, model: nn.Module, method: str = "sft"):
+        self.model = model
+        self.method = method
+        self.views: list[MoELayerView] = find_moe_layers(model)
+        self.dense_layers = dense_layer_indices(model, self.views)
+        self.context = TokenContext()
+        self.layers: list[MoEBlock] = [MoEBlock(view, self.context) for view in self.views]
+        self._hooks = []
+        self._installed = False
+        self.install()
+
+    @property
+    def spec(self):
+        return self.views[0].spec
+
+    # installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Put the moe-lab blocks (and routing routers) in place of the HF blocks."""
+        if self._installed:
+            return
+        for view, block in zip(self.views, self.layers):
+            router = view.router
+            router.__class__ = routed_router_class(type(router))
+            if not hasattr(router, "moe_lab_policy"):
+                router.moe_lab_policy = ConventionalRouting(view)
+            _set_module(self.model, view.name, block)
+        self._hooks = [
+            self.model.register_forward_pre_hook(self.context.capture, with_kwargs=True),
+            self.model.register_forward_hook(self.context.release, with_kwargs=True),
+        ]
+        self._installed = True
+
+    def remove(self) -> nn.Module:
+        """Restore the vanilla HF modules (parameters are shared, so training is kept)."""
+        if not self._installed:
+            return self.model
+        for view, block in zip(self.views, self.layers):
+            view.block.train(block.training)
+            _set_module(self.model, view.name, view.block)
+            router = view.router
+            router.__class__ = type(router).__mro__[1]
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._installed = False
+        return self.model
+
+    @contextmanager
+    def removed(self):
+        """Temporarily restore the vanilla HF modules."""
+        was_installed = self._installed
+        self.remove()
+        try:
+            yield self.model
+        finally:
+            if was_installed:
+                self.install()
+
+    # statistics ---------------------------------------------------------------------------
+    def reset_counts(self) -> None:
+        """Zero every layer's ``counts``."""
+        for layer in self.layers:
+            layer.reset_counts()
+
+    def counts(self) -> torch.Tensor:
+        """int64 [num_moe_layers, num_experts] tokens routed since the last reset."""
+        return torch.stack([layer.counts for layer in self.layers])
+
+    def calibration(self):
+        """Context manager: count routing statistics even in eval mode."""
+        return self.context.calibration()
+
+    # parameters ---------------------------------------------------------------------------
+    def parameter_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
+        """Trainable-or-not parameters by group: router, experts, shared_experts, attention, embeddings, other."""
+        owner: dict[int, str] = {}
+        for view in self.views:
+            for p in view.router.parameters():
+                owner[id(p)] = "router"
+            for p in view.experts.parameters():
+                owner[id(p)] = "experts"
+            for module in (view.shared, view.shared_gate):
+                if module is not None:
+                    for p in module.parameters():
+                        owner[id(p)] = "shared_experts"
+        for module in (self.model.get_input_embeddings(), self.model.get_output_embeddings()):
+            if module is not None:
+                for p in module.parameters():
+                    owner[id(p)] = "embeddings"
+        groups: dict[str, list] = {g: [] for g in PARAMETER_GROUPS}
+        seen = set()
+        for name, p in self.model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            group = owner.get(id(p)) or ("attention" if ".self_attn." in f".{name}" else "other")
+            groups[group].append((name, p))
+        return groups
+
+    # aux loss -----------------------------------------------------------------------------
+    def set_aux_loss_coef(self, coef: float) -> bool:
+        """Map ``coef`` onto the family's aux-loss field; True if HF adds it to the loss itself.
+
+        Families without an HF aux loss (DeepSeek) return False: the caller adds
+        :func:`switch_aux_loss` once, so nothing is counted twice.
+        """
+        field = self.spec.aux_loss_field
+        self.model.config.output_router_logits = coef > 0
+        if field is None:
+            return False
+        setattr(self.model.config, field, coef)
+        if hasattr(self.model, field):
+            setattr(self.model, field, coef)
+        return True
+
+    # export -------------------------------------------------------------------------------
+    def export(self, path: str | os.PathLike, tokenizer=None, safe_serialization: bool = True) -> Path:
+        """Write a checkpoint vanilla ``AutoModelForCausalLM.from_pretrained`` loads, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            with self.removed():
+                self.model.save_pretrained(tmp, safe_serialization=safe_serialization)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _atomic_replace_dir(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    def __repr__(self) -> str:
+        return (
+            f"MoEPatch(family={self.spec.model_type}, method={self.method}, moe_layers="
+            f"{[layer.index for layer in self.layers]}, dense_layers={self.dense_layers})"
+        )
+
+
+def switch_aux_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss over recorded router logits (HF's formula)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _atomic_replace_dir(src: Path, dst: Path) -> None:
+    """Move directory ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is complete."""
+    if dst.exists():
+        backup = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(backup, ignore_errors=True)
+        os.replace(dst, backup)
+        os.replace(src, dst)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(src, dst)

@@ -1,0 +1,172 @@
+"""The family registry: the ONLY place in moe-lab that knows how HF MoE families differ.
+
+One :class:`FamilySpec` per ``config.model_type``. Everything else reads the uniform view built from
+it (:mod:`moe_lab.moe.view`). Adding a family = one entry here + one tiny config + the conformance suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .routing import RoutingRule
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What distinguishes one HF MoE family (transformers v5)."""
+
+    model_type: str
+    block_class: str  # HF sparse-MoE block class; also the DeepSpeed ZeRO-3 leaf module
+    router_attr: str  # attribute of the block holding the router ("gate" | "router")
+    routing_rule: Callable[[object], RoutingRule]  # built from the HF config
+    expert_layout: str = "gate_up"  # "gate_up": [E, 2I, H] chunked; "gpt_oss": [E, H, 2I] interleaved + biases
+    shared_attr: str | None = None  # shared expert module(s)
+    shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
+    returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
+    aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
+    jitter_field: str | None = None  # config field of multiplicative input jitter applied in training
+    jitter_passes: int = 1  # how many times the HF block applies that jitter
+    notes: str = ""
+    real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
+    return RoutingRule(
+        score="softmax",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        renormalize=bool(config.norm_topk_prob) if renormalize is None else renormalize,
+        weights_in_logits_dtype=cast,
+    )
+
+
+def _num_experts(config) -> int:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} has no expert count field")
+
+
+def _deepseek_v2_rule(config) -> RoutingRule:
+    grouped = config.topk_method == "group_limited_greedy"
+    return RoutingRule(
+        score="softmax",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        logits_fp32=True,
+        scaling=float(config.routed_scaling_factor),
+        n_group=config.n_group if grouped else None,
+        topk_group=config.topk_group if grouped else None,
+        group_score="max",
+        group_fill=0.0,
+        weights_in_logits_dtype=False,
+        sorted_topk=False,
+    )
+
+
+def _deepseek_v3_rule(config) -> RoutingRule:
+    return RoutingRule(
+        score="sigmoid",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        logits_fp32=True,
+        renormalize=bool(config.norm_topk_prob),
+        renorm_eps=1e-20,
+        scaling=float(config.routed_scaling_factor),
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        group_score="top2_sum",
+        uses_correction_bias=True,
+        weights_in_logits_dtype=False,
+        sorted_topk=False,
+    )
+
+
+def _gpt_oss_rule(config) -> RoutingRule:
+    return RoutingRule(
+        score="identity",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        softmax_over_topk=True,
+    )
+
+
+def _phimoe_rule(config) -> RoutingRule:
+    return RoutingRule(
+        score="sparsemixer",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        jitter_eps=float(config.router_jitter_noise),
+        weights_in_logits_dtype=False,
+    )
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.model_type: spec
+    for spec in (
+        FamilySpec(
+            "olmoe", "OlmoeSparseMoeBlock", "gate", _softmax_rule,
+            real_checkpoints=("allenai/OLMoE-1B-7B-0924",),
+        ),
+        FamilySpec(
+            "qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", _softmax_rule,
+            shared_attr="shared_expert", shared_gate_attr="shared_expert_gate",
+            notes="sigmoid-gated shared expert; dense layers from mlp_only_layers/decoder_sparse_step",
+            real_checkpoints=("Qwen/Qwen1.5-MoE-A2.7B",),
+        ),
+        FamilySpec(
+            "qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", _softmax_rule,
+            notes="renormalised top-k; dense layers from mlp_only_layers",
+            real_checkpoints=("Qwen/Qwen3-30B-A3B",),
+        ),
+        FamilySpec(
+            "deepseek_v2", "DeepseekV2Moe", "gate", _deepseek_v2_rule,
+            shared_attr="shared_experts", aux_loss_field=None,
+            notes="greedy or group-limited greedy top-k, routed scaling, first_k_dense_replace dense layers; "
+            "HF computes no aux loss",
+            real_checkpoints=("deepseek-ai/DeepSeek-V2-Lite",),
+        ),
+        FamilySpec(
+            "deepseek_v3", "DeepseekV3MoE", "gate", _deepseek_v3_rule,
+            shared_attr="shared_experts", aux_loss_field=None,
+            notes="sigmoid scores, e_score_correction_bias for selection, group-limited (top-2 sum) top-k; "
+            "HF computes no aux loss",
+            real_checkpoints=("deepseek-ai/DeepSeek-V3",),
+        ),
+        FamilySpec(
+            "gpt_oss", "GptOssMLP", "router", _gpt_oss_rule, expert_layout="gpt_oss",
+            returns_router_scores=True,
+            notes="top-k on biased logits, softmax over the top-k, clamped SwiGLU with expert biases",
+            real_checkpoints=("openai/gpt-oss-20b",),
+        ),
+        FamilySpec(
+            "mixtral", "MixtralSparseMoeBlock", "gate",
+            lambda config: _softmax_rule(config, renormalize=True, cast=False),
+            jitter_field="router_jitter_noise",
+            real_checkpoints=("mistralai/Mixtral-8x7B-v0.1",),
+        ),
+        FamilySpec(
+            "phimoe", "PhimoeSparseMoeBlock", "router", _phimoe_rule,
+            jitter_field="input_jitter_noise", jitter_passes=2,
+            notes="sparsemixer top-2 (Gumbel sampling in training, Heun's third-order gradient)",
+            real_checkpoints=("microsoft/Phi-3.5-MoE-instruct",),
+        ),
+    )
+}
+
+
+def supported_families() -> list[str]:
+    """The ``config.model_type`` values moe-lab supports."""
+    return sorted(FAMILIES)
+
+
+def family_spec(model_type: str) -> FamilySpec:
+    """The registry entry for ``model_type``, with an error listing the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: moe-lab supports {', '.join(supported_families())}"
+        ) from None

@@ -1,0 +1,139 @@
+"""Routing rules: the one description of how every supported family turns router logits into
+top-k expert indices and weights.
+
+A :class:`RoutingRule` is built per layer by the family registry from the HF config; :func:`route`
+executes it. Methods that change routing (selection biases, forced experts) hook in through the
+``selection_bias`` argument and never branch on the family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "identity", "sparsemixer")
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """How one MoE layer routes a token.
+
+    score: softmax | sigmoid | identity (top-k taken on raw logits) | sparsemixer (PhiMoE).
+    logits_fp32: router matmul in fp32 (DeepSeek). renormalize: divide the top-k weights by their sum
+    (+ renorm_eps). softmax_over_topk: softmax over the selected logits (GPT-OSS). scaling: routed
+    scaling factor. n_group/topk_group/group_score/group_fill: group-limited selection.
+    uses_correction_bias: add the router's ``e_score_correction_bias`` for selection only.
+    weights_in_logits_dtype: cast the weights back to the logits dtype (else they stay fp32).
+    """
+
+    score: str
+    top_k: int
+    num_experts: int
+    logits_fp32: bool = False
+    renormalize: bool = False
+    renorm_eps: float = 0.0
+    softmax_over_topk: bool = False
+    scaling: float = 1.0
+    n_group: int | None = None
+    topk_group: int | None = None
+    group_score: str = "max"
+    group_fill: float = float("-inf")
+    uses_correction_bias: bool = False
+    weights_in_logits_dtype: bool = True
+    sorted_topk: bool = True
+    jitter_eps: float = 0.0
+
+    def __post_init__(self):
+        if self.score not in SCORE_FUNCTIONS:
+            raise ValueError(f"routing score must be one of {SCORE_FUNCTIONS}, got {self.score!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}: "
+                "lower num_experts_per_tok in the model config"
+            )
+        if self.n_group:
+            if self.num_experts % self.n_group:
+                raise ValueError(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+            allowed = self.topk_group * (self.num_experts // self.n_group)
+            if self.top_k > allowed:
+                raise ValueError(
+                    f"top_k={self.top_k} exceeds the {allowed} experts reachable in topk_group="
+                    f"{self.topk_group} groups: raise topk_group or lower num_experts_per_tok"
+                )
+        if self.score == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k=2, got {self.top_k}")
+
+
+def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Router logits [N, E] for flattened tokens ``x`` [N, H]."""
+    if rule.logits_fp32:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return F.linear(x, weight, bias)
+
+
+def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
+    """Per-expert routing scores (probabilities for softmax routers, gates for sigmoid routers)."""
+    if rule.score == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if rule.score == "sigmoid":
+        return logits.sigmoid()
+    if rule.score == "identity":
+        return logits
+    # sparsemixer's dense scores are the softmax over all experts
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def _group_limit(rule: RoutingRule, choice: torch.Tensor) -> torch.Tensor:
+    grouped = choice.view(-1, rule.n_group, rule.num_experts // rule.n_group)
+    if rule.group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:  # "top2_sum"
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=rule.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, rule.num_experts)
+    return choice.masked_fill(~score_mask.bool(), rule.group_fill)
+
+
+def select_topk(
+    rule: RoutingRule,
+    logits: torch.Tensor,
+    training: bool,
+    correction_bias: torch.Tensor | None = None,
+    selection_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ``(weights [N, k], indices [N, k])`` from router logits, following ``rule``.
+
+    ``selection_bias`` [E] is added to the scores for selection only (weights stay unbiased).
+    """
+    if rule.score == "sparsemixer":
+        from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+        if selection_bias is not None:
+            raise NotImplementedError("selection biases are not defined for sparsemixer routing")
+        return sparsemixer(logits, jitter_eps=rule.jitter_eps, training=training, top_k=rule.top_k)
+    scores = scores_from_logits(rule, logits)
+    choice = scores
+    if rule.uses_correction_bias and correction_bias is not None:
+        choice = choice + correction_bias
+    if selection_bias is not None:
+        choice = choice + selection_bias
+    if rule.n_group:
+        choice = _group_limit(rule, choice)
+    top_choice, indices = torch.topk(choice, rule.top_k, dim=-1, sorted=rule.sorted_topk)
+    weights = top_choice if choice is scores else scores.gather(1, indices)
+    if rule.softmax_over_topk:
+        weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
+    if rule.renormalize:
+        denominator = weights.sum(dim=-1, keepdim=True)
+        if rule.renorm_eps:
+            denominator = denominator + rule.renorm_eps
+        weights = weights / denominator
+    if rule.scaling != 1.0:
+        weights = weights * rule.scaling
+    if rule.weights_in_logits_dtype:
+        weights = weights.to(logits.dtype)
+    return weights, indices

@@ -1,0 +1,115 @@
+"""The uniform view of one MoE layer: router, packed experts, shared experts, routing rule.
+
+Built from the family registry; methods, statistics and weight surgery read only this view.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .registry import FamilySpec, family_spec
+from .routing import RoutingRule
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class MoELayerView:
+    """One MoE layer seen uniformly. ``block`` is the HF block (the moe-lab block shares its children)."""
+
+    index: int  # decoder layer index
+    name: str  # module path of the block in the model
+    spec: FamilySpec
+    rule: RoutingRule
+    block: nn.Module
+    config: object = None  # the HF model config
+
+    @property
+    def router(self) -> nn.Module:
+        return getattr(self.block, self.spec.router_attr)
+
+    @property
+    def experts(self) -> nn.Module:
+        return self.block.experts
+
+    @property
+    def shared(self) -> nn.Module | None:
+        return getattr(self.block, self.spec.shared_attr) if self.spec.shared_attr else None
+
+    @property
+    def shared_gate(self) -> nn.Module | None:
+        return getattr(self.block, self.spec.shared_gate_attr) if self.spec.shared_gate_attr else None
+
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return self.router.weight
+
+    @property
+    def router_bias(self) -> torch.Tensor | None:
+        """The router's additive logit bias (GPT-OSS); None for bias-free routers."""
+        bias = getattr(self.router, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    @property
+    def correction_bias(self) -> torch.Tensor | None:
+        """DeepSeek-V3's selection-only ``e_score_correction_bias``; None elsewhere."""
+        return getattr(self.router, "e_score_correction_bias", None)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.experts.gate_up_proj
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.experts.down_proj
+
+    @property
+    def num_experts(self) -> int:
+        return self.rule.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.rule.top_k
+
+    def expert_parameters(self) -> dict[str, torch.Tensor]:
+        """Packed expert tensors (leading dim = expert), by attribute name."""
+        return {n: p for n, p in self.experts.named_parameters(recurse=False)}
+
+
+def layer_index(module_name: str) -> int:
+    """Decoder layer index parsed from a module path such as ``model.layers.3.mlp``."""
+    match = _LAYER_INDEX.search(module_name + ".")
+    if match is None:
+        raise ValueError(f"cannot find a decoder layer index in module path {module_name!r}")
+    return int(match.group(1))
+
+
+def find_moe_layers(model: nn.Module, *, block_class: str | None = None) -> list[MoELayerView]:
+    """Every MoE block of an HF model, as uniform views, in layer order.
+
+    ``block_class`` overrides the registry's class name (used when blocks are already replaced).
+    """
+    config = model.config
+    spec = family_spec(config.model_type)
+    rule = spec.routing_rule(config)
+    wanted = block_class or spec.block_class
+    views = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == wanted:
+            views.append(MoELayerView(layer_index(name), name, spec, rule, module, config))
+    if not views:
+        raise ValueError(
+            f"no {spec.block_class} found in the {config.model_type} model: is every layer dense "
+            "(mlp_only_layers / first_k_dense_replace / num_experts=0)?"
+        )
+    return sorted(views, key=lambda v: v.index)
+
+
+def dense_layer_indices(model: nn.Module, views: list[MoELayerView]) -> list[int]:
+    """Decoder layers that hold a dense MLP instead of an MoE block."""
+    moe = {v.index for v in views}
+    return [i for i in range(model.config.num_hidden_layers) if i not in moe]
