@@ -1,0 +1,198 @@
+"""Expert-load monitoring: per-layer routing balance metrics, W&B histograms and heatmap PNGs."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+
+from moe_lab.analysis.load_stats import load_summary
+
+
+class ExpertLoadCallback(Callback):
+    """Log how evenly each MoE layer spreads its tokens over its experts.
+
+    Counts come from each layer's monotonic ``total_counts`` buffer (tokens routed in training mode, pad
+    tokens excluded), read as deltas since this callback's previous read, so other code resetting
+    ``counts`` does not interfere. The per-rank deltas are summed over all ranks
+    (``trainer.strategy.reduce(..., "sum")``, a no-op in a single process), so every rank logs the
+    statistics of the global batch; the reduction is a collective, all ranks call it at the same steps.
+
+    Every ``log_every_n_steps`` optimizer steps (``trainer.global_step % n == 0``, checked once per
+    optimizer step, so gradient accumulation is handled) it logs over the window since its last log:
+
+    * ``load/layer{idx}/imbalance`` (max / mean load), ``load/layer{idx}/gini``,
+      ``load/layer{idx}/entropy`` (nats) and ``load/layer{idx}/entropy_norm`` (entropy / log E);
+    * ``load/imbalance_mean``, ``load/gini_mean``, ``load/entropy_norm_mean`` over layers;
+
+    with ``pl_module.log_dict(on_step=True, on_epoch=False, sync_dist=False)``. Lightning only flushes
+    step metrics to the loggers when ``global_step % trainer.log_every_n_steps == 0``, so pick
+    ``log_every_n_steps`` as a multiple of the trainer's (the trainer default is 50).
+
+    With a :class:`~lightning.pytorch.loggers.WandbLogger` attached, rank zero also logs
+    ``load/layer{idx}/histogram``: a ``wandb.Histogram`` with one bin per expert whose height is the
+    expert's share of the layer's load.
+
+    Every ``heatmap_every_n_steps`` optimizer steps and at the end of training it writes a layer x expert
+    heatmap of the load since the previous heatmap to ``plot_dir`` (default
+    ``<trainer.default_root_dir>/plots``) as ``expert_load_step{step:06d}.png`` and
+    ``expert_load_latest.png`` (rank zero only), and logs it to W&B as ``load/heatmap``. ``0`` disables
+    the heatmaps (or the metrics, for ``log_every_n_steps``).
+
+    ``self.latest`` holds the last logged metrics (floats) plus ``"step"`` and ``"counts"`` (the reduced
+    int64 ``[L, E]`` window counts); ``self.latest_heatmap`` the path of the last heatmap written.
+    W&B entries are logged through ``WandbLogger.log_metrics``/``log_image`` with
+    ``trainer/global_step = trainer.global_step`` (Lightning's W&B step axis), not with ``wandb.log(step=)``,
+    which would conflict with the logger's own implicit W&B step counter.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int = 10,
+        heatmap_every_n_steps: int = 50,
+        plot_dir: str | os.PathLike | None = None,
+    ):
+        super().__init__()
+        if log_every_n_steps < 0 or heatmap_every_n_steps < 0:
+            raise ValueError("log_every_n_steps and heatmap_every_n_steps must be >= 0")
+        self.log_every_n_steps = int(log_every_n_steps)
+        self.heatmap_every_n_steps = int(heatmap_every_n_steps)
+        self.plot_dir = None if plot_dir is None else Path(plot_dir)
+        self.latest: dict[str, Any] = {}
+        self.latest_heatmap: Path | None = None
+        self._log_base: torch.Tensor | None = None
+        self._heat_base: torch.Tensor | None = None
+        self._heat_base_step = 0
+        self._last_seen_step: int | None = None
+
+    # helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _layers(pl_module: pl.LightningModule):
+        patch = getattr(pl_module, "patch", None)
+        if patch is None:
+            raise AttributeError(
+                "ExpertLoadCallback needs the LightningModule to expose the MoEPatch as `self.patch`"
+            )
+        return patch.layers
+
+    def _totals(self, pl_module: pl.LightningModule) -> torch.Tensor:
+        """Flat int64 copy of every layer's ``total_counts`` (layers may differ in expert count)."""
+        return torch.cat([layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]).clone()
+
+    def _reduced_delta(self, trainer: pl.Trainer, pl_module, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new base, global per-layer counts since ``base`` as a list of CPU int64 vectors)."""
+        now = self._totals(pl_module)
+        delta = now - base.to(now.device)
+        delta = trainer.strategy.reduce(delta.clone(), reduce_op="sum")
+        return now, delta.detach().to("cpu", torch.long)
+
+    def _split(self, pl_module, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(flat, [layer.num_experts for layer in self._layers(pl_module)]))
+
+    @staticmethod
+    def _wandb_loggers(trainer: pl.Trainer) -> list[WandbLogger]:
+        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+
+    def _resolve_plot_dir(self, trainer: pl.Trainer) -> Path:
+        return self.plot_dir if self.plot_dir is not None else Path(trainer.default_root_dir) / "plots"
+
+    # hooks --------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        base = self._totals(pl_module)
+        self._log_base = base
+        self._heat_base = base.clone()
+        self._heat_base_step = trainer.global_step
+        self._last_seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_seen_step:  # accumulating micro-batch: no optimizer step yet
+            return
+        self._last_seen_step = step
+        if self.log_every_n_steps and step % self.log_every_n_steps == 0:
+            self._log_stats(trainer, pl_module, step)
+        if self.heatmap_every_n_steps and step % self.heatmap_every_n_steps == 0:
+            self._heatmap(trainer, pl_module, step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.heatmap_every_n_steps and self._heat_base is not None:
+            self._heatmap(trainer, pl_module, trainer.global_step, final=True)
+
+    # work ---------------------------------------------------------------------------------
+    def _log_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        assert self._log_base is not None
+        self._log_base, flat = self._reduced_delta(trainer, pl_module, self._log_base)
+        layers = self._layers(pl_module)
+        metrics: dict[str, float] = {}
+        histograms: dict[str, torch.Tensor] = {}
+        per_layer: dict[str, list[float]] = {"imbalance": [], "gini": [], "entropy_norm": []}
+        for layer, counts in zip(layers, self._split(pl_module, flat)):
+            stats = load_summary(counts)
+            for name in ("imbalance", "gini", "entropy", "entropy_norm"):
+                metrics[f"load/layer{layer.index}/{name}"] = float(stats[name])
+            for name in per_layer:
+                per_layer[name].append(float(stats[name]))
+            if counts.sum() > 0:
+                histograms[f"load/layer{layer.index}/histogram"] = stats["fractions"]
+        for name, values in per_layer.items():
+            finite = [v for v in values if not math.isnan(v)]
+            metrics[f"load/{name}_mean"] = sum(finite) / len(finite) if finite else math.nan
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        if len(layers) and all(layer.num_experts == layers[0].num_experts for layer in layers):
+            counts = flat.reshape(len(layers), -1)
+        else:
+            counts = self._split(pl_module, flat)
+        self.latest = {**metrics, "step": step, "counts": counts}
+        if trainer.is_global_zero and histograms:
+            loggers = self._wandb_loggers(trainer)
+            if loggers:
+                import wandb
+
+                entries = {
+                    key: wandb.Histogram(np_histogram=(frac.numpy(), list(range(len(frac) + 1))))
+                    for key, frac in histograms.items()
+                }
+                for logger in loggers:
+                    logger.log_metrics(entries, step=step)
+
+    def _heatmap(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, final: bool = False):
+        assert self._heat_base is not None
+        self._heat_base, flat = self._reduced_delta(trainer, pl_module, self._heat_base)
+        start, self._heat_base_step = self._heat_base_step, step
+        if flat.sum() == 0:  # nothing routed since the last heatmap (e.g. train end right after one)
+            return None
+        if not trainer.is_global_zero:
+            return None
+        from moe_lab.analysis.plots import expert_load_heatmap
+
+        layers = self._layers(pl_module)
+        summaries = [load_summary(c)["fractions"] for c in self._split(pl_module, flat)]
+        width = max(len(f) for f in summaries)
+        fractions = torch.full((len(summaries), width), math.nan, dtype=torch.float64)
+        for row, frac in enumerate(summaries):
+            fractions[row, : len(frac)] = frac
+        plot_dir = self._resolve_plot_dir(trainer)
+        path = plot_dir / f"expert_load_step{step:06d}.png"
+        title = f"expert load, steps {start}-{step}" + (" (end of training)" if final else "")
+        expert_load_heatmap(fractions, [layer.index for layer in layers], path, title=title)
+        latest = plot_dir / "expert_load_latest.png"
+        tmp = plot_dir / ".expert_load_latest.png.tmp"
+        tmp.write_bytes(path.read_bytes())
+        os.replace(tmp, latest)
+        self.latest_heatmap = path
+        for logger in self._wandb_loggers(trainer):
+            logger.log_image(key="load/heatmap", images=[str(path)], step=step)
+        return path
+
+    # checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"heat_base_step": self._heat_base_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._heat_base_step = int(state_dict.get("heat_base_step", 0))

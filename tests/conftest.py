@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random models of every supported family, built from conf/model/tiny_*.yaml."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("MOE_LAB_DATA_DIR", ROOT.parent / "shared" / "data" / "llm_adapters"))
+FAMILIES = [
+    "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "phimoe",
+]
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_model_cfg(family: str, **config_overrides):
+    """The conf/model/tiny_<family>.yaml entry, with optional HF-config overrides."""
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"tiny_{family}.yaml")
+    for key, value in config_overrides.items():
+        cfg.config[key] = value
+    return cfg
+
+
+def build_tiny(family: str, seed: int = 0, **config_overrides):
+    """A tiny random HF model of ``family`` whose parameters are re-drawn with a larger scale so that
+    routing is far from uniform (and the DeepSeek-V3 correction bias is non-zero)."""
+    from moe_lab.models import build_config
+
+    cfg = tiny_model_cfg(family, **config_overrides)
+    config = build_config(cfg.config_class, cfg.config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                continue
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+    return model
+
+
+def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3), (2, 5))):
+    """input_ids/attention_mask/labels with left padding on some rows (row, n_pad)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (batch, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    for row, n_pad in pad_rows:
+        if row < batch:
+            ids[row, :n_pad] = 0
+            mask[row, :n_pad] = 0
+            labels[row, :n_pad] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param

@@ -1,0 +1,110 @@
+"""moe-lab's routing rules and per-expert slices against the HF modules they replace; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_lab
+from moe_lab.models import build_config
+from moe_lab.moe import find_moe_layers, supported_families
+from moe_lab.moe.block import ConventionalRouting
+from moe_lab.moe.experts import expert_forward
+from tests.conftest import FAMILIES, build_tiny, tiny_model_cfg
+
+VARIANTS = [(f, {}) for f in FAMILIES] + [
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
+    ("deepseek_v2", {"routed_scaling_factor": 16.0}),
+    ("deepseek_v3", {"norm_topk_prob": False}),
+    ("olmoe", {"norm_topk_prob": True}),
+    ("qwen2_moe", {"num_experts_per_tok": 4}),
+]
+
+
+@pytest.mark.parametrize("family,overrides", VARIANTS, ids=lambda v: str(v))
+def test_routing_equals_hf_router(family, overrides):
+    model = build_tiny(family, **overrides).eval()
+    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    for view in find_moe_layers(model):
+        hf_logits, hf_weights, hf_idx = view.router(x)
+        logits, weights, idx = ConventionalRouting(view)(view.router, x)
+        torch.testing.assert_close(logits, hf_logits, rtol=0, atol=0)
+        assert torch.equal(idx, hf_idx)
+        torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
+        assert weights.dtype == hf_weights.dtype
+
+
+def test_supported_families_lists_all_eight():
+    assert supported_families() == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_slice_forward_equals_hf_experts(family):
+    model = build_tiny(family).eval()
+    view = find_moe_layers(model)[0]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for e in (0, view.num_experts - 1):
+        idx = torch.full((5, 1), e)
+        expected = view.experts(x, idx, torch.ones(5, 1))
+        torch.testing.assert_close(expert_forward(view, e, x), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_views_record_dense_layers():
+    model = build_tiny("deepseek_v3")
+    patch = moe_lab.apply(model)
+    assert patch.dense_layers == [0]
+    assert [layer.index for layer in patch.layers] == [1, 2]
+    qwen2 = moe_lab.apply(build_tiny("qwen2_moe"))
+    assert qwen2.dense_layers == [1] and [layer.index for layer in qwen2.layers] == [0, 2]
+
+
+def test_top_k_larger_than_experts_names_the_field():
+    cfg = tiny_model_cfg("olmoe", num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="top_k=9.*num_experts=8.*num_experts_per_tok"):
+        build_config(cfg.config_class, cfg.config)
+
+
+def test_group_limit_too_tight_is_rejected():
+    cfg = tiny_model_cfg("deepseek_v3", num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="topk_group"):
+        build_config(cfg.config_class, cfg.config)
+
+
+def test_unsupported_model_type_lists_supported():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=16, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'.*olmoe"):
+        moe_lab.apply(model)
+
+
+def test_unknown_method_and_option():
+    model = build_tiny("olmoe")
+    with pytest.raises(ValueError, match="unknown method 'dense_mixer'.*frozen_router.*sft"):
+        moe_lab.apply(model, "dense_mixer")
+    with pytest.raises(TypeError, match="unknown option.*'gamma'"):
+        moe_lab.apply(model, "sft", gamma=1e-3)
+    moe_lab.apply(model)
+    with pytest.raises(ValueError, match="already has moe-lab blocks"):
+        moe_lab.apply(model)
+
+
+def test_frozen_router_freezes_router_only():
+    model = build_tiny("gpt_oss")
+    patch = moe_lab.apply(model, "frozen_router")
+    groups = patch.parameter_groups()
+    assert groups["router"] and all(not p.requires_grad for _, p in groups["router"])
+    assert all(p.requires_grad for g in ("experts", "attention") for _, p in groups[g])
+
+
+def test_parameter_groups_partition_the_model():
+    model = build_tiny("qwen2_moe")
+    groups = moe_lab.apply(model).parameter_groups()
+    names = [n for g in groups.values() for n, _ in g]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert {n.rsplit(".", 1)[-1] for n, _ in groups["experts"]} == {"gate_up_proj", "down_proj"}
+    assert any("shared_expert_gate" in n for n, _ in groups["shared_experts"])
+    assert any("embed_tokens" in n for n, _ in groups["embeddings"])
+    assert any("self_attn" in n for n, _ in groups["attention"])
