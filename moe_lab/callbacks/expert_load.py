@@ -85,8 +85,8 @@ class ExpertLoadCallback(Callback):
         """Flat int64 copy of every layer's ``total_counts`` (layers may differ in expert count)."""
         return torch.cat([layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]).clone()
 
-    def _reduced_delta(self, trainer: pl.Trainer, pl_module, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(new base, global per-layer counts since ``base`` as a list of CPU int64 vectors)."""
+    def _reduced_delta(self, trainer: pl.Trainer, pl_module, base: torch.Tensor):
+        """``(new base, flat CPU int64 counts since base summed over ranks)``; a collective call."""
         now = self._totals(pl_module)
         delta = now - base.to(now.device)
         delta = trainer.strategy.reduce(delta.clone(), reduce_op="sum")
@@ -189,10 +189,3 @@ class ExpertLoadCallback(Callback):
         for logger in self._wandb_loggers(trainer):
             logger.log_image(key="load/heatmap", images=[str(path)], step=step)
         return path
-
-    # checkpointing ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"heat_base_step": self._heat_base_step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._heat_base_step = int(state_dict.get("heat_base_step", 0))

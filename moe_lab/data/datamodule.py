@@ -105,6 +105,12 @@ class SFTDataModule(L.LightningDataModule):
             ]
             self.examples[split] = [ex for ex in examples if ex is not None]
             self.num_skipped[split] = len(examples) - len(self.examples[split])
+            if split_rows and not self.examples[split]:
+                raise ValueError(
+                    f"All {len(split_rows)} {split} examples were skipped: no response token fits in "
+                    f"max_length={self.max_length} (byte-level tokens are ~4x more than BPE tokens). "
+                    "Raise dataset.max_length."
+                )
             if self.num_skipped[split]:
                 log.warning(
                     "%s: skipped %d/%d examples with no response token left after truncation to "

@@ -1,4 +1,5 @@
 import ast
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -9,6 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler
 
+from moe_lab.data.collate import pad_collate
 from moe_lab.data.datamodule import SFTDataModule
 from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
@@ -32,7 +34,7 @@ def _check_batch(batch, batch_size, max_length):
 
 
 def _dm(**kw):
-    args = dict(source="synthetic", num_examples=100, max_length=128, batch_size=8, tokenizer=build_byte_tokenizer())
+    args = dict(source="synthetic", num_examples=100, max_length=512, batch_size=8, tokenizer=build_byte_tokenizer())
     args.update(kw)
     return SFTDataModule(**args)
 
@@ -44,9 +46,9 @@ def test_synthetic_split_and_batches():
     all_instr = [r["instruction"] for r in dm.rows["train"] + dm.rows["val"]]
     assert len(set(all_instr)) == len(all_instr) == 100  # disjoint split covering all rows
     for batch in dm.train_dataloader():
-        _check_batch(batch, min(8, batch["input_ids"].shape[0]), 128)
+        _check_batch(batch, min(8, batch["input_ids"].shape[0]), 512)
     val = next(iter(dm.val_dataloader()))
-    _check_batch(val, 5, 128)
+    _check_batch(val, 5, 512)
     gold = dm.gold_answers("val")
     assert gold == [str(eval(compile(ast.parse(r["expression"], mode="eval"), "<e>", "eval"))) for r in dm.rows["val"]]
     assert len(dm.gold_answers("train")) == 95
@@ -61,23 +63,28 @@ def test_deterministic_for_same_seed():
     assert all(torch.equal(x, y) for x, y in zip(batches_a, batches_b, strict=True))
     assert a.gold_answers() == b.gold_answers()
     assert [r["instruction"] for r in a.rows["val"]] != [r["instruction"] for r in c.rows["val"]]
-    # shuffled: first batch differs from dataset order
-    assert not torch.equal(batches_a[0], next(iter(a.val_dataloader()))["input_ids"][:8])
+    # shuffled: the first batch is not the first 8 train examples in split order
+    assert not torch.equal(batches_a[0], pad_collate(a.examples["train"][:8], pad_id=0)["input_ids"])
 
 
 def test_truncation_skips_are_counted():
-    dm = _dm(max_length=40, num_examples=20)
+    dm = _dm(max_length=300, num_examples=20)
     dm.setup()
     assert dm.num_skipped["train"] + len(dm.examples["train"]) == len(dm.rows["train"])
     assert dm.num_skipped["train"] > 0
     for ex in dm.examples["train"]:
-        assert len(ex["input_ids"]) <= 40 and any(x != -100 for x in ex["labels"])
+        assert len(ex["input_ids"]) <= 300 and any(x != -100 for x in ex["labels"])
+
+
+def test_all_examples_truncated_is_an_error():
+    with pytest.raises(ValueError, match="max_length=64"):
+        _dm(max_length=64, num_examples=10).setup()
 
 
 def test_bad_source_and_missing_tokenizer():
     with pytest.raises(ValueError, match="synthetic, llm_adapters"):
         SFTDataModule(source="nope")
-    dm = SFTDataModule(source="synthetic", num_examples=10)
+    dm = SFTDataModule(source="synthetic", num_examples=10, max_length=512)
     with pytest.raises(ValueError, match="tokenizer"):
         dm.setup()
     dm.set_tokenizer(build_byte_tokenizer())
@@ -95,20 +102,20 @@ def test_distributed_sampler_shards_train_split():
         sampler = DistributedSampler(dm.train_dataloader().dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
         loader = _update_dataloader(dm.train_dataloader(), sampler)
         for batch in loader:
-            _check_batch(batch, batch["input_ids"].shape[0], 128)
+            _check_batch(batch, batch["input_ids"].shape[0], 512)
             seen += [tuple(row[m.bool()].tolist()) for row, m in zip(batch["input_ids"], batch["attention_mask"])]
     assert sorted(seen) == sorted(tuple(ex["input_ids"]) for ex in dm.examples["train"])
 
 
 @needs_data
 def test_math_data_capped():
-    dm = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=256,
+    dm = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,
                        batch_size=8, tokenizer=build_byte_tokenizer())
     dm.setup()
     assert len(dm.rows["train"]) + len(dm.rows["val"]) == 64 and len(dm.rows["val"]) == 3
-    _check_batch(next(iter(dm.train_dataloader())), 8, 256)
-    assert all(isinstance(a, str) and float(a) == float(a) for a in dm.gold_answers())
-    dm2 = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=256,
+    _check_batch(next(iter(dm.train_dataloader())), 8, 1024)
+    assert all(isinstance(a, str) and a for a in dm.gold_answers())  # numbers, or letters for AQuA rows
+    dm2 = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,
                         batch_size=8, tokenizer=build_byte_tokenizer())
     dm2.setup()
     assert dm.rows == dm2.rows
@@ -123,11 +130,11 @@ def _compose(name, overrides=()):
 def test_hydra_configs_instantiate(monkeypatch):
     tok = build_byte_tokenizer()
     cfg = _compose("synthetic_math")
-    assert (cfg.num_examples, cfg.max_length, cfg.batch_size) == (2000, 128, 8)
+    assert (cfg.source, cfg.num_examples, cfg.max_length, cfg.batch_size) == ("synthetic", 2000, 512, 8)
     dm = instantiate(cfg, num_examples=50, tokenizer=tok)
     assert isinstance(dm, SFTDataModule) and dm.tokenizer is tok and dm.source == "synthetic"
     dm.setup()
-    _check_batch(next(iter(dm.train_dataloader())), 8, 128)
+    _check_batch(next(iter(dm.train_dataloader())), 8, 512)
 
     with pytest.raises(Exception, match="path"):
         OmegaConf.to_container(_compose("llm_adapters"), resolve=True, throw_on_missing=True)
@@ -139,6 +146,19 @@ def test_hydra_configs_instantiate(monkeypatch):
     assert Path(cfg.path).resolve() == MATH_DATA.resolve()
     monkeypatch.setenv("MOE_LAB_DATA_DIR", "/elsewhere")
     assert _compose("math_data").path == "/elsewhere/math_data.json"
+
+
+def test_dataset_group_in_a_primary_config(tmp_path, monkeypatch):
+    shutil.copytree(REPO / "conf" / "dataset", tmp_path / "dataset")
+    (tmp_path / "config.yaml").write_text("defaults:\n  - dataset: math_data\n  - _self_\nseed: 5\n")
+    monkeypatch.setenv("MOE_LAB_DATA_DIR", "/data")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["dataset.seed=${seed}", "dataset.num_examples=8"])
+        synth = compose(config_name="config", overrides=["dataset=synthetic_math"])
+    assert set(cfg) == {"dataset", "seed"}
+    assert (cfg.dataset.source, cfg.dataset.path, cfg.dataset.seed) == ("llm_adapters", "/data/math_data.json", 5)
+    assert cfg.dataset._target_ == "moe_lab.data.datamodule.SFTDataModule" and "tokenizer" not in cfg.dataset
+    assert synth.dataset.source == "synthetic" and synth.dataset.path is None
 
 
 class _TinyLM(L.LightningModule):

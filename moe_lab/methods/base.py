@@ -1,0 +1,107 @@
+"""The base LightningModule for causal-LM post-training of an MoE model (conventional SFT and
+frozen-router SFT; later methods subclass it)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import torch
+
+from ..moe.patch import switch_aux_loss
+from .registry import apply
+from .schedules import lr_multiplier
+
+
+def _plain(value):
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return value
+
+
+class MoELightningModule(L.LightningModule):
+    """Wraps an HF MoE model patched by ``moe_lab.apply(model, method, **options)``.
+
+    Loss is the HF causal-LM loss on response tokens (labels are -100 elsewhere). ``aux_loss_coef``
+    is mapped onto the family's aux-loss field (HF adds it to the loss once); families without an HF
+    aux loss get moe-lab's Switch loss added here instead. ``None`` keeps the model config unchanged.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        method: str = "sft",
+        options: dict | None = None,
+        aux_loss_coef: float | None = 0.0,
+        optim: dict | None = None,
+        scheduler: dict | None = None,
+        gradient_checkpointing: bool = False,
+        name: str | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.method = method
+        self.patch = apply(model, method, **(_plain(options) or {}))
+        self.aux_loss_coef = aux_loss_coef
+        self._moe_lab_adds_aux = False
+        if aux_loss_coef is not None:
+            self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(float(aux_loss_coef)) and aux_loss_coef > 0
+        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, **(_plain(optim) or {})}
+        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, **(_plain(scheduler) or {})}
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable()
+        self.save_hyperparameters(ignore=["model"])
+
+    def forward(self, **batch):
+        return self.model(**batch)
+
+    def _step(self, batch, stage: str):
+        out = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        )
+        loss = out.loss
+        aux = getattr(out, "aux_loss", None)
+        if self._moe_lab_adds_aux:
+            layer = self.patch.layers[0]
+            aux = switch_aux_loss(out.router_logits, layer.num_experts, layer.top_k, batch["attention_mask"])
+            loss = loss + self.aux_loss_coef * aux
+        on_step = stage == "train"
+        batch_size = batch["input_ids"].shape[0]
+        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=not on_step, prog_bar=True,
+                 sync_dist=not on_step, batch_size=batch_size)
+        if aux is not None and torch.is_tensor(aux):
+            self.log(f"{stage}/aux_loss", aux.detach(), on_step=on_step, on_epoch=not on_step,
+                     sync_dist=not on_step, batch_size=batch_size)
+        if on_step:
+            self.log("train/tokens", batch["attention_mask"].sum().float(), on_step=True, reduce_fx="sum",
+                     batch_size=batch_size)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        return self._step(batch, "val")
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.optim["weight_decay"]},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=self.optim["lr"], betas=tuple(self.optim["betas"]),
+            eps=self.optim["eps"],
+        )
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        s = self.scheduler_cfg
+        schedule = partial(lr_multiplier, total_steps=total, name=s["name"], warmup_steps=int(s["warmup_steps"]),
+                           min_lr_ratio=float(s["min_lr_ratio"]))
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}

@@ -1,0 +1,22 @@
+"""Tasks that ``run.py`` dispatches on ``cfg.task.name``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _finetune(cfg):
+    from .finetune import finetune
+
+    return finetune(cfg)
+
+
+TASKS: dict[str, Callable] = {"finetune": _finetune}
+
+
+def run_task(cfg):
+    """Run ``cfg.task.name`` and return its summary dict."""
+    name = cfg.task.name
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(TASKS))}")
+    return TASKS[name](cfg)
