@@ -10,9 +10,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import WandbLogger
 
 from moe_lab.analysis.load_stats import load_summary
+
+from ._logging import log_metrics, logging_step, wandb_loggers
 
 
 class ExpertLoadCallback(Callback):
@@ -31,9 +32,11 @@ class ExpertLoadCallback(Callback):
       ``load/layer{idx}/entropy`` (nats) and ``load/layer{idx}/entropy_norm`` (entropy / log E);
     * ``load/imbalance_mean``, ``load/gini_mean``, ``load/entropy_norm_mean`` over layers;
 
-    with ``pl_module.log_dict(on_step=True, on_epoch=False, sync_dist=False)``. Lightning only flushes
-    step metrics to the loggers when ``global_step % trainer.log_every_n_steps == 0``, so pick
-    ``log_every_n_steps`` as a multiple of the trainer's (the trainer default is 50).
+    written once to every attached logger on rank zero (see :mod:`moe_lab.callbacks._logging` for why
+    not through Lightning's ``log_dict`` flush, which would repeat stale values or drop them depending on
+    ``trainer.log_every_n_steps``) and mirrored into ``trainer.callback_metrics`` with
+    ``pl_module.log_dict(on_step=True, on_epoch=False, sync_dist=False, logger=False)``. The logger step
+    is Lightning's own (``train/loss`` of the same batch has the same step: ``global_step - 1``).
 
     With a :class:`~lightning.pytorch.loggers.WandbLogger` attached, rank zero also logs
     ``load/layer{idx}/histogram``: a ``wandb.Histogram`` with one bin per expert whose height is the
@@ -47,9 +50,10 @@ class ExpertLoadCallback(Callback):
 
     ``self.latest`` holds the last logged metrics (floats) plus ``"step"`` and ``"counts"`` (the reduced
     int64 ``[L, E]`` window counts); ``self.latest_heatmap`` the path of the last heatmap written.
-    W&B entries are logged through ``WandbLogger.log_metrics``/``log_image`` with
-    ``trainer/global_step = trainer.global_step`` (Lightning's W&B step axis), not with ``wandb.log(step=)``,
-    which would conflict with the logger's own implicit W&B step counter.
+    W&B entries go through ``WandbLogger.log_metrics``/``log_image``, i.e. on Lightning's
+    ``trainer/global_step`` axis, not ``wandb.log(step=...)``: the logger never passes ``step=`` to W&B, so
+    W&B's implicit step runs ahead of the optimizer step and an explicit one would be rejected as
+    non-monotonic.
     """
 
     def __init__(
@@ -95,10 +99,6 @@ class ExpertLoadCallback(Callback):
     def _split(self, pl_module, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, [layer.num_experts for layer in self._layers(pl_module)]))
 
-    @staticmethod
-    def _wandb_loggers(trainer: pl.Trainer) -> list[WandbLogger]:
-        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
-
     def _resolve_plot_dir(self, trainer: pl.Trainer) -> Path:
         return self.plot_dir if self.plot_dir is not None else Path(trainer.default_root_dir) / "plots"
 
@@ -143,23 +143,20 @@ class ExpertLoadCallback(Callback):
         for name, values in per_layer.items():
             finite = [v for v in values if not math.isnan(v)]
             metrics[f"load/{name}_mean"] = sum(finite) / len(finite) if finite else math.nan
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
         if len(layers) and all(layer.num_experts == layers[0].num_experts for layer in layers):
             counts = flat.reshape(len(layers), -1)
         else:
             counts = self._split(pl_module, flat)
         self.latest = {**metrics, "step": step, "counts": counts}
-        if trainer.is_global_zero and histograms:
-            loggers = self._wandb_loggers(trainer)
-            if loggers:
-                import wandb
+        extra = {}
+        if histograms and trainer.is_global_zero and wandb_loggers(trainer):
+            import wandb
 
-                entries = {
-                    key: wandb.Histogram(np_histogram=(frac.numpy(), list(range(len(frac) + 1))))
-                    for key, frac in histograms.items()
-                }
-                for logger in loggers:
-                    logger.log_metrics(entries, step=step)
+            extra = {
+                key: wandb.Histogram(np_histogram=(frac.numpy(), list(range(len(frac) + 1))))
+                for key, frac in histograms.items()
+            }
+        log_metrics(trainer, pl_module, metrics, logging_step(trainer), wandb_extra=extra)
 
     def _heatmap(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, final: bool = False):
         assert self._heat_base is not None
@@ -179,13 +176,13 @@ class ExpertLoadCallback(Callback):
             fractions[row, : len(frac)] = frac
         plot_dir = self._resolve_plot_dir(trainer)
         path = plot_dir / f"expert_load_step{step:06d}.png"
-        title = f"expert load, steps {start}-{step}" + (" (end of training)" if final else "")
+        title = f"expert load, optimizer steps {start + 1}-{step}" + (" (end of training)" if final else "")
         expert_load_heatmap(fractions, [layer.index for layer in layers], path, title=title)
         latest = plot_dir / "expert_load_latest.png"
         tmp = plot_dir / ".expert_load_latest.png.tmp"
         tmp.write_bytes(path.read_bytes())
         os.replace(tmp, latest)
         self.latest_heatmap = path
-        for logger in self._wandb_loggers(trainer):
-            logger.log_image(key="load/heatmap", images=[str(path)], step=step)
+        for logger in wandb_loggers(trainer):
+            logger.log_image(key="load/heatmap", images=[str(path)], step=logging_step(trainer))
         return path

@@ -9,6 +9,8 @@ from torch import nn
 
 from moe_lab.moe.patch import PARAMETER_GROUPS
 
+from ._logging import log_metrics, logging_step
+
 
 class GradNormCallback(Callback):
     """Log ``grad_norm/total`` and ``grad_norm/{group}`` for the groups of ``pl_module.patch``.
@@ -96,5 +98,5 @@ class GradNormCallback(Callback):
         if not metrics:
             return
         self.latest = {**metrics, "step": trainer.global_step + 1}
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        log_metrics(trainer, pl_module, metrics, logging_step(trainer))
 

@@ -100,7 +100,9 @@ class SFTDataModule(L.LightningDataModule):
         }
         for split, split_rows in self.rows.items():
             examples = [
-                tokenize_example(self.tokenizer, build_prompt(self.tokenizer, r), r["output"], self.max_length)
+                tokenize_example(
+                    self.tokenizer, build_prompt(self.tokenizer, r), r["output"], self.max_length
+                )
                 for r in split_rows
             ]
             self.examples[split] = [ex for ex in examples if ex is not None]
@@ -114,7 +116,11 @@ class SFTDataModule(L.LightningDataModule):
             if self.num_skipped[split]:
                 log.warning(
                     "%s: skipped %d/%d examples with no response token left after truncation to "
-                    "max_length=%d", split, self.num_skipped[split], len(examples), self.max_length,
+                    "max_length=%d",
+                    split,
+                    self.num_skipped[split],
+                    len(examples),
+                    self.max_length,
                 )
 
     def gold_answers(self, split: str = "val") -> list[str | None]:

@@ -39,17 +39,21 @@ def row_start_lines(path: str) -> list[int]:
         _, pos = decoder.raw_decode(text, pos)
 
 
-def _validate(rows: list[dict], source: str, lines: list[int] | None) -> list[dict]:
+def _where(source: str, i: int) -> str:
+    if os.path.isfile(source):
+        return f"{source}: row {i} starting at line {row_start_lines(source)[i]}"
+    return f"{source}: row {i}"
+
+
+def _validate(rows: list[dict], source: str) -> list[dict]:
     out = []
     for i, row in enumerate(rows):
         for field in REQUIRED_FIELDS:
             value = row.get(field)
+            if value is None:
+                raise ValueError(f"{_where(source, i)}: required field '{field}' is missing (or null)")
             if not isinstance(value, str):
-                problem = "is missing (or null)" if value is None else f"must be a string, got {value!r}"
-                if lines is None and os.path.isfile(source):
-                    lines = row_start_lines(source)
-                where = f"line {lines[i]}" if lines is not None else "(no line numbers for hub datasets)"
-                raise ValueError(f"{source}: row {i} starting at {where}: required field '{field}' {problem}")
+                raise TypeError(f"{_where(source, i)}: field '{field}' must be a string, got {value!r}")
         row = dict(row)
         row["input"] = row.get("input") or ""
         if row.get("answer") is not None:
@@ -62,16 +66,16 @@ def load_llm_adapters(path_or_id: str, split: str = "train") -> list[dict]:
     """Rows of a local ``.json`` (array) / ``.jsonl`` file, or of a hub dataset id (``split`` used for hub only).
 
     Every row needs string ``instruction`` and ``output``; ``input`` defaults to ``""``; ``answer`` is optional
-    (kept as str). A bad row raises ``ValueError`` naming the field, the file and the line where the row
-    starts. A missing file or unreachable hub id raises ``FileNotFoundError``/``OSError`` with the
-    ``dataset.path=/local/file.json`` override.
+    (kept as str). A row missing a required field raises ``ValueError`` (``TypeError`` if not a string)
+    naming the field, the file and the line where the row starts. A missing file or an unreachable hub id
+    raises ``FileNotFoundError``/``OSError`` naming it and the ``dataset.path=/local/file.json`` override.
     """
     if _is_local(path_or_id):
         path = os.path.expanduser(path_or_id)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Dataset file {path_or_id!r} does not exist. {_OVERRIDE_HINT}")
         rows = load_dataset("json", data_files=path, split="train").to_list()
-        return _validate(rows, path, None)
+        return _validate(rows, path)
     try:
         rows = load_dataset(path_or_id, split=split).to_list()
     except Exception as err:  # hub errors come from several libraries (requests, httpx, datasets)
@@ -79,4 +83,4 @@ def load_llm_adapters(path_or_id: str, split: str = "train") -> list[dict]:
             f"Could not load dataset {path_or_id!r} (split {split!r}) from the Hugging Face hub: it is "
             f"unreachable or the id does not exist. {_OVERRIDE_HINT} Original error: {err}"
         ) from err
-    return _validate(rows, path_or_id, None)
+    return _validate(rows, path_or_id)

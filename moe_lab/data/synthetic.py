@@ -5,11 +5,31 @@ from __future__ import annotations
 import random
 
 _PEOPLE = [
-    ("Alice", "she", "her"), ("Bob", "he", "him"), ("Carmen", "she", "her"), ("David", "he", "him"),
-    ("Emma", "she", "her"), ("Farid", "he", "him"), ("Grace", "she", "her"), ("Hiro", "he", "him"),
-    ("Ines", "she", "her"), ("Jamal", "he", "him"), ("Kofi", "he", "him"), ("Lena", "she", "her"),
+    ("Alice", "she", "her"),
+    ("Bob", "he", "him"),
+    ("Carmen", "she", "her"),
+    ("David", "he", "him"),
+    ("Emma", "she", "her"),
+    ("Farid", "he", "him"),
+    ("Grace", "she", "her"),
+    ("Hiro", "he", "him"),
+    ("Ines", "she", "her"),
+    ("Jamal", "he", "him"),
+    ("Kofi", "he", "him"),
+    ("Lena", "she", "her"),
 ]
-_OBJECTS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "coins", "shells", "cards", "stamps"]
+_OBJECTS = [
+    "apples",
+    "marbles",
+    "stickers",
+    "books",
+    "pencils",
+    "cookies",
+    "coins",
+    "shells",
+    "cards",
+    "stamps",
+]
 _CONTAINERS = ["bags", "boxes", "jars", "packs"]
 
 
@@ -39,18 +59,28 @@ def _problem(rng: random.Random) -> dict:
         if op == "+":
             b = rng.randint(1, 20)
             new = value + b
-            story.append(rng.choice([
-                f"{subj_cap} buys {b} more {thing}.", f"A friend gives {obj} {b} more {thing}.",
-                f"{subj_cap} finds {b} {thing}.",
-            ]))
+            story.append(
+                rng.choice(
+                    [
+                        f"{subj_cap} buys {b} more {thing}.",
+                        f"A friend gives {obj} {b} more {thing}.",
+                        f"{subj_cap} finds {b} {thing}.",
+                    ]
+                )
+            )
             steps.append(f"After getting {b} more, {subj} has {value} + {b} = {new}.")
         elif op == "-":
             b = rng.randint(1, value - 1)
             new = value - b
-            story.append(rng.choice([
-                f"{subj_cap} gives {b} {thing} to a friend.", f"{subj_cap} loses {b} {thing}.",
-                f"{subj_cap} uses {b} {thing}.",
-            ]))
+            story.append(
+                rng.choice(
+                    [
+                        f"{subj_cap} gives {b} {thing} to a friend.",
+                        f"{subj_cap} loses {b} {thing}.",
+                        f"{subj_cap} uses {b} {thing}.",
+                    ]
+                )
+            )
             steps.append(f"After losing {b}, {subj} has {value} - {b} = {new}.")
         else:
             b = rng.randint(2, 4)
@@ -58,7 +88,9 @@ def _problem(rng: random.Random) -> dict:
             story.append(f"Then the number of {thing} {subj} has becomes {b} times as large.")
             steps.append(f"{b} times as many is {value} * {b} = {new}.")
         value, expr = new, f"({expr} {op} {b})"
-    question = rng.choice([f"How many {thing} does {name} have now?", f"How many {thing} does {name} have in the end?"])
+    question = rng.choice(
+        [f"How many {thing} does {name} have now?", f"How many {thing} does {name} have in the end?"]
+    )
     return {
         "instruction": " ".join(story + [question]),
         "input": "",

@@ -34,9 +34,8 @@ def _check_batch(batch, batch_size, max_length):
 
 
 def _dm(**kw):
-    args = dict(source="synthetic", num_examples=100, max_length=512, batch_size=8, tokenizer=build_byte_tokenizer())
-    args.update(kw)
-    return SFTDataModule(**args)
+    args = {"source": "synthetic", "num_examples": 100, "max_length": 512, "batch_size": 8}
+    return SFTDataModule(**{**args, "tokenizer": build_byte_tokenizer(), **kw})
 
 
 def test_synthetic_split_and_batches():
@@ -50,7 +49,9 @@ def test_synthetic_split_and_batches():
     val = next(iter(dm.val_dataloader()))
     _check_batch(val, 5, 512)
     gold = dm.gold_answers("val")
-    assert gold == [str(eval(compile(ast.parse(r["expression"], mode="eval"), "<e>", "eval"))) for r in dm.rows["val"]]
+    assert gold == [
+        str(eval(compile(ast.parse(r["expression"], mode="eval"), "<e>", "eval"))) for r in dm.rows["val"]
+    ]
     assert len(dm.gold_answers("train")) == 95
 
 
@@ -99,27 +100,46 @@ def test_distributed_sampler_shards_train_split():
     dm.setup()
     seen = []
     for rank in range(2):
-        sampler = DistributedSampler(dm.train_dataloader().dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler = DistributedSampler(
+            dm.train_dataloader().dataset, num_replicas=2, rank=rank, shuffle=True, seed=0
+        )
         loader = _update_dataloader(dm.train_dataloader(), sampler)
         for batch in loader:
             _check_batch(batch, batch["input_ids"].shape[0], 512)
-            seen += [tuple(row[m.bool()].tolist()) for row, m in zip(batch["input_ids"], batch["attention_mask"])]
+            seen += [
+                tuple(row[m.bool()].tolist()) for row, m in zip(batch["input_ids"], batch["attention_mask"])
+            ]
     assert sorted(seen) == sorted(tuple(ex["input_ids"]) for ex in dm.examples["train"])
 
 
 @needs_data
 def test_math_data_capped():
-    dm = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,
-                       batch_size=8, tokenizer=build_byte_tokenizer())
+    dm = SFTDataModule(
+        source="llm_adapters",
+        path=str(MATH_DATA),
+        num_examples=64,
+        max_length=1024,
+        batch_size=8,
+        tokenizer=build_byte_tokenizer(),
+    )
     dm.setup()
     assert len(dm.rows["train"]) + len(dm.rows["val"]) == 64 and len(dm.rows["val"]) == 3
     _check_batch(next(iter(dm.train_dataloader())), 8, 1024)
     assert all(isinstance(a, str) and a for a in dm.gold_answers())  # numbers, or letters for AQuA rows
-    dm2 = SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,
-                        batch_size=8, tokenizer=build_byte_tokenizer())
+    dm2 = SFTDataModule(
+        source="llm_adapters",
+        path=str(MATH_DATA),
+        num_examples=64,
+        max_length=1024,
+        batch_size=8,
+        tokenizer=build_byte_tokenizer(),
+    )
     dm2.setup()
     assert dm.rows == dm2.rows
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(dm.train_dataloader(), dm2.train_dataloader()))
+    assert all(
+        torch.equal(x["input_ids"], y["input_ids"])
+        for x, y in zip(dm.train_dataloader(), dm2.train_dataloader())
+    )
 
 
 def _compose(name, overrides=()):
@@ -156,7 +176,11 @@ def test_dataset_group_in_a_primary_config(tmp_path, monkeypatch):
         cfg = compose(config_name="config", overrides=["dataset.seed=${seed}", "dataset.num_examples=8"])
         synth = compose(config_name="config", overrides=["dataset=synthetic_math"])
     assert set(cfg) == {"dataset", "seed"}
-    assert (cfg.dataset.source, cfg.dataset.path, cfg.dataset.seed) == ("llm_adapters", "/data/math_data.json", 5)
+    assert (cfg.dataset.source, cfg.dataset.path, cfg.dataset.seed) == (
+        "llm_adapters",
+        "/data/math_data.json",
+        5,
+    )
     assert cfg.dataset._target_ == "moe_lab.data.datamodule.SFTDataModule" and "tokenizer" not in cfg.dataset
     assert synth.dataset.source == "synthetic" and synth.dataset.path is None
 
@@ -169,7 +193,9 @@ class _TinyLM(L.LightningModule):
 
     def _loss(self, batch):
         logits = self.out(self.emb(batch["input_ids"]))[:, :-1]
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, BYTE_VOCAB_SIZE), batch["labels"][:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, BYTE_VOCAB_SIZE), batch["labels"][:, 1:].reshape(-1)
+        )
 
     def training_step(self, batch, _):
         return self._loss(batch)
@@ -182,7 +208,13 @@ class _TinyLM(L.LightningModule):
 
 
 def test_lightning_fit_smoke(tmp_path):
-    trainer = L.Trainer(fast_dev_run=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        fast_dev_run=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_TinyLM(), datamodule=_dm(num_examples=40, batch_size=4))
     assert torch.isfinite(trainer.callback_metrics["val_loss"])

@@ -45,7 +45,7 @@ def test_json_array_compact_and_irregular_layout(tmp_path):
     path = tmp_path / "odd.json"
     path.write_text(
         '[{"instruction": "a", "output": "x"},\n'
-        '\n'
+        "\n"
         '   {"instruction": "b",\n "output": "y"},  {"instruction": "c",\n'
         '"output": "[not, a, row]\\n"},\n'
         '{"instruction": "d", "output": null}\n]\n'
@@ -69,7 +69,9 @@ def test_jsonl_missing_instruction_reports_line(tmp_path):
 
 def test_optional_fields_and_jsonl(tmp_path):
     path = tmp_path / "ok.jsonl"
-    path.write_text('{"instruction": "a", "output": "x"}\n{"instruction": "b", "output": "y", "input": "ctx"}\n')
+    path.write_text(
+        '{"instruction": "a", "output": "x"}\n{"instruction": "b", "output": "y", "input": "ctx"}\n'
+    )
     rows = load_llm_adapters(str(path))
     assert [r["input"] for r in rows] == ["", "ctx"]
     assert all(r.get("answer") is None for r in rows)

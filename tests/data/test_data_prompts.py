@@ -35,7 +35,7 @@ def _llm_adapters_generate_prompt(data_point):
                 {data_point["input"]}
 {IND}
                 ### Response:
-                {data_point["output"]}"""  # noqa: E501
+                {data_point["output"]}"""
     else:
         return f"""Below is an instruction that describes a task. Write a response that appropriately completes the request.{SP}{SP}
 
@@ -43,17 +43,23 @@ def _llm_adapters_generate_prompt(data_point):
                 {data_point["instruction"]}
 {IND}
                 ### Response:
-                {data_point["output"]}"""  # noqa: E501
+                {data_point["output"]}"""
 
 
 def test_verbatim_matches_llm_adapters_source():
-    for row in ({"instruction": "Q?", "input": "", "output": "A."}, {"instruction": "Q?", "input": "ctx", "output": "A."}):
+    for row in (
+        {"instruction": "Q?", "input": "", "output": "A."},
+        {"instruction": "Q?", "input": "ctx", "output": "A."},
+    ):
         got = format_prompt(row["instruction"], row["input"], verbatim=True) + row["output"]
         assert got == _llm_adapters_generate_prompt(row)
 
 
 def test_dedented_equals_source_with_indent_removed():
-    for row in ({"instruction": "Q?", "input": "", "output": "A."}, {"instruction": "Q?", "input": "ctx", "output": "A."}):
+    for row in (
+        {"instruction": "Q?", "input": "", "output": "A."},
+        {"instruction": "Q?", "input": "ctx", "output": "A."},
+    ):
         original = "\n".join(
             line[16:] if line.startswith(" " * 16) else line
             for line in _llm_adapters_generate_prompt(row).split("\n")
@@ -73,6 +79,8 @@ def test_build_prompt_chooses_template():
     assert build_prompt(tok, row) == format_prompt("Add the numbers.", "2, 3")
     assert build_prompt(tok, {"instruction": "Hi"}) == format_prompt("Hi")
     tok.chat_template = CHAT_TEMPLATE
-    assert format_chat(tok, "Add the numbers.", "2, 3") == "<|user|>Add the numbers.\n\n2, 3<|end|><|assistant|>"
+    assert (
+        format_chat(tok, "Add the numbers.", "2, 3") == "<|user|>Add the numbers.\n\n2, 3<|end|><|assistant|>"
+    )
     assert build_prompt(tok, row) == "<|user|>Add the numbers.\n\n2, 3<|end|><|assistant|>"
     assert build_prompt(tok, {"instruction": "Hi", "input": ""}) == "<|user|>Hi<|end|><|assistant|>"
