@@ -87,7 +87,9 @@ class ExpertLoadCallback(Callback):
 
     def _totals(self, pl_module: pl.LightningModule) -> torch.Tensor:
         """Flat int64 copy of every layer's ``total_counts`` (layers may differ in expert count)."""
-        return torch.cat([layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]).clone()
+        return torch.cat(
+            [layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]
+        ).clone()
 
     def _reduced_delta(self, trainer: pl.Trainer, pl_module, base: torch.Tensor):
         """``(new base, flat CPU int64 counts since base summed over ranks)``; a collective call."""
@@ -136,8 +138,8 @@ class ExpertLoadCallback(Callback):
             stats = load_summary(counts)
             for name in ("imbalance", "gini", "entropy", "entropy_norm"):
                 metrics[f"load/layer{layer.index}/{name}"] = float(stats[name])
-            for name in per_layer:
-                per_layer[name].append(float(stats[name]))
+            for name, values in per_layer.items():
+                values.append(float(stats[name]))
             if counts.sum() > 0:
                 histograms[f"load/layer{layer.index}/histogram"] = stats["fractions"]
         for name, values in per_layer.items():

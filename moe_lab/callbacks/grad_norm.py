@@ -22,14 +22,15 @@ class GradNormCallback(Callback):
     (max over groups for ``inf``). Without a ``patch`` attribute only the total is logged.
 
     Runs in ``on_before_optimizer_step``, i.e. once per optimizer step (after all accumulated
-    micro-batches), and logs when ``(trainer.global_step + 1) % log_every_n_steps == 0`` so that the norm
-    of optimizer step ``k`` is logged with the same cadence and Lightning step as the metrics logged
-    after step ``k`` (``ExpertLoadCallback``); Lightning only flushes them when ``k`` is a multiple of
-    ``trainer.log_every_n_steps``.
+    micro-batches), and logs when ``(trainer.global_step + 1) % log_every_n_steps == 0``: the norm of
+    optimizer step ``k`` is logged for ``k % n == 0``, at Lightning's logging step ``k - 1`` (the step of
+    that batch's ``train/loss`` and of ``ExpertLoadCallback``'s metrics). Values are written once to every
+    logger on rank zero (not through Lightning's ``log_dict`` flush, see :mod:`moe_lab.callbacks._logging`)
+    and mirrored into ``trainer.callback_metrics``. ``self.latest`` holds the last logged values.
 
     What the gradients are at that point (Lightning 2.6):
 
-    * fp32 / bf16-mixed: the true gradients. Under DDP they are already all-reduced (identical on every
+    * fp32 / bf16-mixed: the true gradients (on CPU, Lightning runs ``16-mixed`` as bf16, no scaler). Under DDP they are already all-reduced (identical on every
       rank), so nothing is synced.
     * 16-mixed (``MixedPrecision`` with a ``GradScaler``): the precision plugin calls
       ``scaler.unscale_(optimizer)`` *before* this hook, so the norms are unscaled, except for optimizers
@@ -99,4 +100,3 @@ class GradNormCallback(Callback):
             return
         self.latest = {**metrics, "step": trainer.global_step + 1}
         log_metrics(trainer, pl_module, metrics, logging_step(trainer))
-

@@ -95,4 +95,3 @@ def ref_load_stats(counts) -> dict[str, float]:
         "entropy": h,
         "entropy_norm": h / math.log(e),
     }
-

@@ -37,12 +37,18 @@ class FakeModule:
 
 
 def _layer(index, num_experts):
-    return SimpleNamespace(index=index, num_experts=num_experts, total_counts=torch.zeros(num_experts, dtype=torch.long))
+    return SimpleNamespace(
+        index=index, num_experts=num_experts, total_counts=torch.zeros(num_experts, dtype=torch.long)
+    )
 
 
 def _trainer(tmp_path, strategy, rank_zero=True):
     return SimpleNamespace(
-        global_step=0, strategy=strategy, is_global_zero=rank_zero, loggers=[], default_root_dir=str(tmp_path),
+        global_step=0,
+        strategy=strategy,
+        is_global_zero=rank_zero,
+        loggers=[],
+        default_root_dir=str(tmp_path),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)),
     )
 
@@ -94,7 +100,9 @@ def test_windows_reduce_and_accumulation(tmp_path):
     # Train end right after a heatmap step: nothing new, no new file; after new tokens: a final map.
     cb.on_train_end(trainer, module)
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
-        "expert_load_latest.png", "expert_load_step000004.png"]
+        "expert_load_latest.png",
+        "expert_load_step000004.png",
+    ]
     layers[1].total_counts += 1
     trainer.global_step = 5
     cb.on_train_batch_end(trainer, module, None, None, 0)

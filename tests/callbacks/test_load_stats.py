@@ -60,7 +60,11 @@ def test_scale_invariant_and_accepts_lists_and_numpy():
     base = load_summary(counts)
     import numpy as np
 
-    for other in (torch.tensor(counts) * 13, np.asarray(counts, dtype=np.int64), torch.tensor(counts).float()):
+    for other in (
+        torch.tensor(counts) * 13,
+        np.asarray(counts, dtype=np.int64),
+        torch.tensor(counts).float(),
+    ):
         summary = load_summary(other)
         for key in ("imbalance", "gini", "entropy", "entropy_norm"):
             assert float(summary[key]) == pytest.approx(float(base[key]), rel=1e-12)

@@ -102,14 +102,29 @@ def run(tmp_path_factory):
     )
     trainer.fit(module, loader(random_batches(MAX_STEPS * ACCUMULATE)))
     rows = read_csv_metrics(tmp / "lightning_logs" / "version_0" / "metrics.csv")
-    return dict(tmp=tmp, trainer=trainer, load=load_cb, grad=grad_cb, routing=routing, grads=grads, rows=rows,
-                module=module)
+    return {
+        "tmp": tmp,
+        "trainer": trainer,
+        "load": load_cb,
+        "grad": grad_cb,
+        "routing": routing,
+        "grads": grads,
+        "rows": rows,
+        "module": module,
+    }
 
 
 def test_columns_exist_and_are_finite(run):
     rows = run["rows"]
-    for key in ("load/layer0/gini", "load/layer1/imbalance", "load/gini_mean", "grad_norm/total",
-                "grad_norm/router", "grad_norm/experts", "train/loss"):
+    for key in (
+        "load/layer0/gini",
+        "load/layer1/imbalance",
+        "load/gini_mean",
+        "grad_norm/total",
+        "grad_norm/router",
+        "grad_norm/experts",
+        "train/loss",
+    ):
         values = metric_by_step(rows, key)
         assert values, key
         assert all(math.isfinite(v) for v in values.values()), key
@@ -130,7 +145,9 @@ def test_heatmaps_written(run):
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["expert_load_latest.png", "expert_load_step000003.png", "expert_load_step000006.png"]
     # training ended on a heatmap step: the final window is empty, latest is the step-6 map
-    assert (plots / "expert_load_latest.png").read_bytes() == (plots / "expert_load_step000006.png").read_bytes()
+    assert (plots / "expert_load_latest.png").read_bytes() == (
+        plots / "expert_load_step000006.png"
+    ).read_bytes()
     assert run["load"].latest_heatmap == plots / "expert_load_step000006.png"
 
 
@@ -174,7 +191,34 @@ def test_grad_norms_match_independent_norms(run):
         for group in ("total", "router", "experts", "attention", "embeddings", "other"):
             logged = metric_by_step(rows, f"grad_norm/{group}")[step - 1]
             assert logged == pytest.approx(recorded[step][group], rel=1e-4), (step, group)
-        groups = [metric_by_step(rows, f"grad_norm/{g}")[step - 1]
-                  for g in ("router", "experts", "attention", "embeddings", "other")]
+        groups = [
+            metric_by_step(rows, f"grad_norm/{g}")[step - 1]
+            for g in ("router", "experts", "attention", "embeddings", "other")
+        ]
         total = metric_by_step(rows, "grad_norm/total")[step - 1]
         assert math.sqrt(sum(g * g for g in groups)) == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (fp16 GradScaler)")
+def test_fp16_amp_grad_norms_are_unscaled():
+    """With 16-mixed on CUDA, Lightning unscales before on_before_optimizer_step: norms match fp32."""
+    norms = {}
+    for precision in ("32-true", "16-mixed"):
+        cb = GradNormCallback()
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=1,
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[cb],
+        )
+        trainer.fit(TinyModule(), loader(random_batches(1)))
+        norms[precision] = cb.latest["grad_norm/total"]
+        if precision == "16-mixed":
+            assert trainer.precision_plugin.scaler.get_scale() > 1  # scaled grads would be far larger
+    assert norms["16-mixed"] == pytest.approx(norms["32-true"], rel=0.05)

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import lightning as L
 import pytest
 
 wandb = pytest.importorskip("wandb")
-from lightning.pytorch.loggers import WandbLogger  # noqa: E402
-from wandb.proto import wandb_internal_pb2  # noqa: E402
+from google.protobuf.message import DecodeError
+from lightning.pytorch.loggers import WandbLogger
+from wandb.proto import wandb_internal_pb2
 
-from moe_lab.callbacks import ExpertLoadCallback, GradNormCallback  # noqa: E402
+from moe_lab.callbacks import ExpertLoadCallback, GradNormCallback
 
-from .conftest import TinyModule, loader, random_batches  # noqa: E402
+from .conftest import TinyModule, loader, random_batches
 
 BLOCK = 32768
-HEADER = 7  # ":W&B" + magic 0xBEE1 (uint16) + version (uint8); record header: crc32 uint32, len uint16, type uint8
+# File header: ":W&B", magic 0xBEE1 (uint16), version (uint8). Record header: crc32 (uint32),
+# length (uint16), type (uint8). Both 7 bytes.
+HEADER = 7
 
 
 def read_records(path):
@@ -37,6 +41,8 @@ def read_records(path):
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         chunk, pos = data[pos + HEADER : pos + HEADER + length], pos + HEADER + length
+        if len(chunk) < length:  # still being written
+            return
         if kind == 1:  # full
             yield chunk
         elif kind == 2:  # first
@@ -50,16 +56,34 @@ def read_records(path):
             break
 
 
-def history_rows(run_dir):
+def history_rows(run_dir, timeout=30.0):
+    """History rows of the run, once its transaction log is complete (ends with an ``exit`` record).
+
+    ``wandb.finish()`` in offline mode can return before wandb-core has flushed the file, so poll.
+    """
     (log,) = run_dir.glob("run-*.wandb")
-    rows = []
-    for raw in read_records(log):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+    deadline = time.monotonic() + timeout
+    while True:
+        rows, done = [], False
+        try:
+            for raw in read_records(log):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(raw)
+                kind = record.WhichOneof("record_type")
+                done |= kind == "exit"
+                if kind == "history":
+                    rows.append(
+                        {
+                            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item
+                        }
+                    )
+        except DecodeError:  # a partially written record
+            done = False
+        if done:
+            return rows
+        assert time.monotonic() < deadline, f"{log} has no exit record after {timeout} s"
+        time.sleep(0.2)
 
 
 def test_wandb_offline_run_contains_load_and_grad_norm(tmp_path, monkeypatch):
@@ -104,4 +128,7 @@ def test_wandb_offline_run_contains_load_and_grad_norm(tmp_path, monkeypatch):
     assert len(images) == 2
     assert len(list((run_dir / "files" / "media" / "images").rglob("*.png"))) == 2
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        "expert_load_latest.png", "expert_load_step000003.png", "expert_load_step000004.png"]
+        "expert_load_latest.png",
+        "expert_load_step000003.png",
+        "expert_load_step000004.png",
+    ]
