@@ -63,8 +63,9 @@ class MoEBlock(nn.Module):
         self.num_experts = view.num_experts
         self.top_k = view.top_k
         self.train(view.block.training)
-        self.register_buffer("counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
-        self.register_buffer("total_counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        # plain tensors, not buffers: DDP would broadcast buffers from rank 0 and overwrite local counts
+        self.counts = torch.zeros(self.num_experts, dtype=torch.long)
+        self.total_counts = torch.zeros(self.num_experts, dtype=torch.long)
 
     @property
     def spec(self):
@@ -80,6 +81,9 @@ class MoEBlock(nn.Module):
             return
         with torch.no_grad():
             counts = bincount_experts(indices, context.token_mask(batch, seq), self.num_experts)
+            if self.counts.device != counts.device:
+                self.counts = self.counts.to(counts.device)
+                self.total_counts = self.total_counts.to(counts.device)
             self.counts += counts
             self.total_counts += counts
 
