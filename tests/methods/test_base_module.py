@@ -1,0 +1,80 @@
+"""The base LightningModule: response-only loss, aux-loss mapping without double counting, schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from moe_lab.methods.base import MoELightningModule
+from moe_lab.methods.schedules import lr_multiplier
+from moe_lab.models import load_model
+from tests.conftest import build_tiny, random_batch, tiny_model_cfg
+
+
+def _independent_loss(model, batch, coef):
+    """CE over shifted labels (ignore -100) + coef x Switch loss on the router logits, computed by hand."""
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
+    ce = F.cross_entropy(logits, batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    cfg = model.config
+    aux = load_balancing_loss_func(out.router_logits, cfg.num_local_experts if hasattr(cfg, "num_local_experts")
+                                   else cfg.num_experts, cfg.num_experts_per_tok, batch["attention_mask"])
+    return ce + coef * aux
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_aux_loss_added_exactly_once(family):
+    model = build_tiny(family).eval()
+    module = MoELightningModule(model, "sft", aux_loss_coef=0.25)
+    batch = random_batch()
+    batch["labels"][:, :4] = -100  # prompt tokens carry no loss
+    with torch.no_grad():
+        got = module._step(batch, "train")
+    expected = _independent_loss(model, batch, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_off_gives_plain_response_ce():
+    model = build_tiny("qwen2_moe").eval()
+    module = MoELightningModule(model, "sft", aux_loss_coef=0.0)
+    batch = random_batch()
+    batch["labels"][:, :5] = -100
+    with torch.no_grad():
+        got = module._step(batch, "train")
+    torch.testing.assert_close(got, _independent_loss(model, batch, 0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_lr_schedules():
+    assert lr_multiplier(0, 100, "cosine", warmup_steps=10) == pytest.approx(0.1)
+    assert lr_multiplier(9, 100, "cosine", warmup_steps=10) == pytest.approx(1.0)
+    assert lr_multiplier(55, 100, "cosine", warmup_steps=10) == pytest.approx(0.5)
+    assert lr_multiplier(100, 100, "cosine", warmup_steps=10, min_lr_ratio=0.1) == pytest.approx(0.1)
+    assert lr_multiplier(55, 100, "linear", warmup_steps=10) == pytest.approx(0.5)
+    assert lr_multiplier(77, 100, "constant", warmup_steps=10) == 1.0
+    assert lr_multiplier(32, 100, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.32)))
+    with pytest.raises(ValueError, match="task.scheduler.name='cosin'"):
+        lr_multiplier(0, 10, "cosin")
+
+
+def test_unreachable_hub_id_names_the_local_path_override(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match=r"model.pretrained=/local/path/to/OLMoE-1B-7B-0924"):
+        load_model({"pretrained": "allenai/OLMoE-1B-7B-0924", "dtype": "bfloat16"})
+
+
+def test_vocab_smaller_than_tokenizer_names_the_field():
+    cfg = tiny_model_cfg("olmoe", vocab_size=100)
+    with pytest.raises(ValueError, match="model.config.vocab_size=100"):
+        load_model(cfg)
+
+
+def test_tiny_models_are_seeded():
+    a, _ = load_model(tiny_model_cfg("mixtral"))
+    b, _ = load_model(tiny_model_cfg("mixtral"))
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
