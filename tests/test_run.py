@@ -105,3 +105,15 @@ def test_top_k_above_experts_fails_naming_the_field(tmp_path):
     assert proc.returncode != 0
     assert "num_experts_per_tok" in proc.stderr and "top_k=12" in proc.stderr
     assert (tmp_path / "r" / "config.yaml").exists()  # what was written before the error is kept
+
+
+def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path):
+    common = ("debug=fast", "~callbacks.expert_load", "task.checkpoint_every_n_steps=3", "dataset.num_examples=64")
+    first = tmp_path / "first"
+    run_py(*common, "task.trainer.max_steps=3", f"hydra.run.dir={first}", cwd=tmp_path)
+    ckpt = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)  # plain hyperparameters only
+    assert ckpt["global_step"] == 3
+    second = tmp_path / "second"
+    run_py(*common, f"task.ckpt_path={first / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={second}", cwd=tmp_path)
+    assert json.loads((second / "summary.json").read_text())["global_step"] == 6
+    assert not list((first / "checkpoints").glob(".*.tmp"))  # atomic writes leave no partial files

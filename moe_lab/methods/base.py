@@ -51,11 +51,15 @@ class MoELightningModule(L.LightningModule):
         self._moe_lab_adds_aux = False
         if aux_loss_coef is not None:
             self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(float(aux_loss_coef)) and aux_loss_coef > 0
-        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, **(_plain(optim) or {})}
+        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
         self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, **(_plain(scheduler) or {})}
         if gradient_checkpointing:
             model.activation_checkpointing_enable()
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters({  # plain containers only: checkpoints load with weights_only=True
+            "name": name or method, "method": method, "options": _plain(options) or {},
+            "aux_loss_coef": aux_loss_coef, "optim": self.optim, "scheduler": self.scheduler_cfg,
+            "gradient_checkpointing": gradient_checkpointing,
+        })
 
     def forward(self, **batch):
         return self.model(**batch)
