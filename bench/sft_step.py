@@ -18,10 +18,10 @@ import transformers
 
 import moe_lab
 
-BENCH_CONFIG = dict(
-    vocab_size=4096, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=8, num_experts=16, num_experts_per_tok=4, max_position_embeddings=512,
-)
+BENCH_CONFIG = {
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "num_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 512,
+}
 
 
 def train_step(model, optimizer, batch) -> float:

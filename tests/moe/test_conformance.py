@@ -60,7 +60,7 @@ def test_eval_mode_and_generation_equal_vanilla(family):
     with torch.no_grad():
         torch.testing.assert_close(ours(**batch).logits, vanilla(**batch).logits, rtol=RTOL, atol=ATOL)
     prompt = batch["input_ids"][:1, -4:]
-    gen_kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    gen_kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.generate(prompt, **gen_kw), vanilla.generate(prompt, **gen_kw))
     assert int(patch.counts().sum()) == 0, "eval-mode forwards must not count routing statistics"
 
