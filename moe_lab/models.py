@@ -9,21 +9,13 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from .moe.registry import family_spec
+from .plain import to_plain
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _as_dict(value) -> dict:
-    if value is None:
-        return {}
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(value)
+    return {} if value is None else dict(to_plain(value))
 
 
 def build_config(config_class: str, overrides: Mapping):

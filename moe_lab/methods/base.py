@@ -9,19 +9,9 @@ import lightning as L
 import torch
 
 from ..moe.patch import switch_aux_loss
+from ..plain import to_plain as _plain
 from .registry import apply
 from .schedules import lr_multiplier
-
-
-def _plain(value):
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return value
 
 
 class MoELightningModule(L.LightningModule):
