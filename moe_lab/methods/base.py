@@ -14,6 +14,31 @@ from .registry import apply
 from .schedules import lr_multiplier
 
 
+def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_decay: float) -> None:
+    """Decoupled (AdamW) weight decay applied only to the trained slices of packed expert tensors.
+
+    Those tensors sit in a zero-decay group; the pre-step hook keeps the trained slices' values and the
+    post-step hook subtracts ``lr * weight_decay * value``, which is AdamW's update order exactly.
+    Untrained slices receive zero gradients, so Adam leaves them bit-identical.
+    """
+    masked_params = list(masked_params)
+    lr_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    saved: list[torch.Tensor] = []
+
+    def keep(opt, args, kwargs):
+        saved[:] = [p.detach()[mask.to(p.device)].clone() for p, mask in masked_params]
+
+    def decay(opt, args, kwargs):
+        with torch.no_grad():
+            for (p, mask), before in zip(masked_params, saved):
+                m = mask.to(p.device)
+                p[m] -= lr_of[id(p)]["lr"] * weight_decay * before
+        saved.clear()
+
+    optimizer.register_step_pre_hook(keep)
+    optimizer.register_step_post_hook(decay)
+
+
 class MoELightningModule(L.LightningModule):
     """Wraps an HF MoE model patched by ``moe_lab.apply(model, method, **options)``.
 
@@ -82,17 +107,26 @@ class MoELightningModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         return self._step(batch, "val")
 
+    def optimizer_step(self, *args, **kwargs):
+        """One optimizer step, then the method's per-step hooks (e.g. router-bias updates)."""
+        super().optimizer_step(*args, **kwargs)
+        self.patch.after_optimizer_step()
+
     def configure_optimizers(self):
-        decay, no_decay = [], []
+        sliced = {id(p) for p, _ in self.patch.expert_slice_masks.values()}
+        decay, no_decay, masked = [], [], []
         for p in self.model.parameters():
             if p.requires_grad:
-                (decay if p.dim() >= 2 else no_decay).append(p)
+                (masked if id(p) in sliced else decay if p.dim() >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.optim["weight_decay"]},
-                  {"params": no_decay, "weight_decay": 0.0}]
+                  {"params": no_decay, "weight_decay": 0.0},
+                  {"params": masked, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=self.optim["lr"], betas=tuple(self.optim["betas"]),
             eps=self.optim["eps"],
         )
+        if masked and self.optim["weight_decay"]:
+            sliced_weight_decay(optimizer, self.patch.expert_slice_masks.values(), self.optim["weight_decay"])
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         s = self.scheduler_cfg
         schedule = partial(lr_multiplier, total_steps=total, name=s["name"], warmup_steps=int(s["warmup_steps"]),

@@ -50,6 +50,11 @@ class ConventionalRouting:
         return logits, weights, indices
 
 
+def sparse_mixture(block: "MoEBlock", x, logits, weights, indices) -> torch.Tensor:
+    """Conventional mixture: the HF packed experts run on the selected (token, expert) pairs."""
+    return block.experts(x, indices, weights)
+
+
 class MoEBlock(nn.Module):
     """One MoE layer under moe-lab. Also the per-layer handle exposed as ``MoEPatch.layers``."""
 
@@ -63,6 +68,8 @@ class MoEBlock(nn.Module):
         self.num_experts = view.num_experts
         self.top_k = view.top_k
         self.train(view.block.training)
+        # how routed experts are combined: ``mixer(block, x, logits, weights, indices) -> [N, H]``
+        self.mixer = sparse_mixture
         # plain tensors, not buffers: DDP would broadcast buffers from rank 0 and overwrite local counts
         self.counts = torch.zeros(self.num_experts, dtype=torch.long)
         self.total_counts = torch.zeros(self.num_experts, dtype=torch.long)
@@ -98,9 +105,9 @@ class MoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         batch, seq, hidden = hidden_states.shape
         x = self._jitter(hidden_states).reshape(-1, hidden)
-        _, weights, indices = getattr(self, self.spec.router_attr)(x)
+        logits, weights, indices = getattr(self, self.spec.router_attr)(x)
         self._count(indices, batch, seq)
-        out = self.experts(x, indices, weights)
+        out = self.mixer(self, x, logits, weights, indices)
         spec = self.spec
         if spec.shared_attr is not None:
             shared = getattr(self, spec.shared_attr)(x)

@@ -30,6 +30,10 @@ class MoEPatch:
         self.layers: list[MoEBlock] = [MoEBlock(view, self.context) for view in self.views]
         self._hooks = []
         self._installed = False
+        # packed expert tensors trained only on some expert slices: name -> (parameter, bool mask [E])
+        self.expert_slice_masks: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        # callables run after every optimizer step (e.g. router-bias updates)
+        self.step_hooks: list = []
         self.install()
 
     @property
@@ -120,6 +124,36 @@ class MoEPatch:
             groups[group].append((name, p))
         return groups
 
+    def restrict_expert_training(self, experts: dict[int, list[int]]) -> None:
+        """Train only ``experts[layer index]`` among each layer's routed experts (slices of the packed
+        tensors; a layer not listed trains none). Gradients of the other slices are zeroed by hooks and
+        :meth:`expert_slice_masks` tells the optimizer to decay only the trained slices, so the other
+        slices stay bit-identical."""
+        by_index = {view.index: view for view in self.views}
+        unknown = sorted(set(experts) - set(by_index))
+        if unknown:
+            raise ValueError(f"experts: layers {unknown} are not MoE layers; MoE layers are {sorted(by_index)}")
+        for view in self.views:
+            ids = sorted({int(e) for e in experts.get(view.index, [])})
+            bad = [e for e in ids if not 0 <= e < view.num_experts]
+            if bad:
+                raise ValueError(
+                    f"experts[{view.index}]: expert ids {bad} out of range [0, {view.num_experts})"
+                )
+            mask = torch.zeros(view.num_experts, dtype=torch.bool)
+            mask[ids] = True
+            for pname, param in view.experts.named_parameters():
+                if not ids:
+                    param.requires_grad_(False)
+                elif not bool(mask.all()):
+                    self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, mask)
+                    param.register_hook(_slice_grad_mask(mask))
+
+    def after_optimizer_step(self) -> None:
+        """Run the registered per-step hooks (call once per optimizer step, after accumulation)."""
+        for hook in self.step_hooks:
+            hook()
+
     # aux loss -----------------------------------------------------------------------------
     def set_aux_loss_coef(self, coef: float) -> bool:
         """Map ``coef`` onto the family's aux-loss field; True if HF adds it to the loss itself.
@@ -158,6 +192,14 @@ class MoEPatch:
             f"MoEPatch(family={self.spec.model_type}, method={self.method}, moe_layers="
             f"{[layer.index for layer in self.layers]}, dense_layers={self.dense_layers})"
         )
+
+
+def _slice_grad_mask(mask: torch.Tensor):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        keep = mask.to(grad.device).view(-1, *([1] * (grad.dim() - 1)))
+        return grad * keep
+
+    return hook
 
 
 def switch_aux_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:
