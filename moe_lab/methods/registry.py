@@ -9,11 +9,13 @@ from torch import nn
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
+from .densemixer import install_densemixer
 from .sft import install_frozen_router, install_sft
 
 METHODS: dict[str, Callable] = {
     "sft": install_sft,
     "frozen_router": install_frozen_router,
+    "densemixer": install_densemixer,
 }
 
 
