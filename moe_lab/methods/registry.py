@@ -9,6 +9,7 @@ from torch import nn
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
+from .condenser import install_condenser
 from .densemixer import install_densemixer
 from .sft import install_frozen_router, install_sft
 
@@ -16,6 +17,7 @@ METHODS: dict[str, Callable] = {
     "sft": install_sft,
     "frozen_router": install_frozen_router,
     "densemixer": install_densemixer,
+    "condenser": install_condenser,
 }
 
 

@@ -78,6 +78,14 @@ class MoEBlock(nn.Module):
     def spec(self):
         return self.view.obj.spec
 
+    @property
+    def forced_experts(self) -> list[int]:
+        """Experts in every token's active set (Expert Condenser's condensers); empty when none."""
+        ids = getattr(self, "forced_expert_ids", None)
+        if ids is None or not ids.numel() or bool((ids < 0).any()):
+            return []
+        return ids.tolist()
+
     def reset_counts(self) -> None:
         """Zero ``counts`` (tokens routed per expert since the last reset). ``total_counts`` keeps running."""
         self.counts.zero_()

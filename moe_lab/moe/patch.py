@@ -28,12 +28,18 @@ class MoEPatch:
         self.dense_layers = dense_layer_indices(model, self.views)
         self.context = TokenContext()
         self.layers: list[MoEBlock] = [MoEBlock(view, self.context) for view in self.views]
+        for view in self.views:  # methods replace this policy in their installers
+            view.router.moe_lab_policy = ConventionalRouting(view)
         self._hooks = []
         self._installed = False
         # packed expert tensors trained only on some expert slices: name -> (parameter, bool mask [E])
         self.expert_slice_masks: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         # callables run after every optimizer step (e.g. router-bias updates)
         self.step_hooks: list = []
+        # callables ``hook(directory)`` writing method state beside an export (e.g. router biases)
+        self.export_hooks: list = []
+        # Expert Condenser's bias update (set by its installer); see :meth:`update_biases`
+        self.bias_updater = None
         self.install()
 
     @property
@@ -48,8 +54,6 @@ class MoEPatch:
         for view, block in zip(self.views, self.layers):
             router = view.router
             router.__class__ = routed_router_class(type(router))
-            if not hasattr(router, "moe_lab_policy"):
-                router.moe_lab_policy = ConventionalRouting(view)
             _set_module(self.model, view.name, block)
         self._hooks = [
             self.model.register_forward_pre_hook(self.context.capture, with_kwargs=True),
@@ -149,6 +153,13 @@ class MoEPatch:
                     self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, mask)
                     param.register_hook(_slice_grad_mask(mask))
 
+    def update_biases(self) -> None:
+        """Expert Condenser: one router-bias update from the loads since the previous update (all-reduced
+        across data-parallel ranks), then reset the loads. Call once per optimizer step."""
+        if self.bias_updater is None:
+            raise RuntimeError(f"method {self.method!r} has no router biases: use moe_lab.apply(model, 'condenser')")
+        self.bias_updater()
+
     def after_optimizer_step(self) -> None:
         """Run the registered per-step hooks (call once per optimizer step, after accumulation)."""
         for hook in self.step_hooks:
@@ -181,6 +192,8 @@ class MoEPatch:
                 self.model.save_pretrained(tmp, safe_serialization=safe_serialization)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            for hook in self.export_hooks:
+                hook(tmp)
             _atomic_replace_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

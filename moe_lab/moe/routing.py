@@ -104,16 +104,20 @@ def select_topk(
     training: bool,
     correction_bias: torch.Tensor | None = None,
     selection_bias: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    top_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ``(weights [N, k], indices [N, k])`` from router logits, following ``rule``.
 
     ``selection_bias`` [E] is added to the scores for selection only (weights stay unbiased).
+    ``forced`` (expert ids) are put in every token's set; ``top_k`` overrides the set size (forced
+    included). Weights always come from the unbiased scores of the chosen set, renormalised over it.
     """
     if rule.score == "sparsemixer":
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
-        if selection_bias is not None:
-            raise NotImplementedError("selection biases are not defined for sparsemixer routing")
+        if selection_bias is not None or forced is not None or top_k not in (None, rule.top_k):
+            raise NotImplementedError("selection biases and forced experts are not defined for sparsemixer")
         return sparsemixer(logits, jitter_eps=rule.jitter_eps, training=training, top_k=rule.top_k)
     scores = scores_from_logits(rule, logits)
     choice = scores
@@ -123,7 +127,9 @@ def select_topk(
         choice = choice + selection_bias
     if rule.n_group:
         choice = _group_limit(rule, choice)
-    top_choice, indices = torch.topk(choice, rule.top_k, dim=-1, sorted=rule.sorted_topk)
+    if forced is not None and forced.numel():
+        choice = choice.index_fill(1, forced.to(choice.device), float("inf"))
+    top_choice, indices = torch.topk(choice, top_k or rule.top_k, dim=-1, sorted=rule.sorted_topk)
     weights = top_choice if choice is scores else scores.gather(1, indices)
     if rule.softmax_over_topk:
         weights = torch.softmax(weights, dim=1, dtype=weights.dtype)

@@ -1,0 +1,204 @@
+"""Expert Condenser: bias updates against hand-computed loads, forced experts, DDP, state files."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moe_lab
+from moe_lab.methods.condenser import STATE_FILE, save_condenser_state
+from tests.conftest import build_tiny, random_batch
+
+GAMMA = 0.01
+
+
+def _hf_topk(router_cls, router, x):
+    """Indices and weights of the vanilla HF router class on ``x`` (independent of moe-lab routing)."""
+    vanilla = copy.copy(router)
+    vanilla.__class__ = router_cls
+    _, weights, indices = vanilla(x)
+    return weights, indices
+
+
+def _first_block(family="olmoe", **options):
+    model = build_tiny(family).train()
+    router_cls = type(model.get_submodule(moe_lab.apply(copy.deepcopy(model), "sft").views[0].name).gate) \
+        if family != "gpt_oss" else None
+    patch = moe_lab.apply(model, "condenser", **options)
+    return model, patch, patch.layers[0], router_cls
+
+
+@pytest.mark.parametrize("sign", ["sparsify", "balance"])
+def test_bias_update_signs_follow_hand_computed_loads(sign):
+    model, patch, block, router_cls = _first_block(gamma=GAMMA, sign=sign, n=0)
+    x = torch.randn(4, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    block(x)
+    _, indices = _hf_topk(router_cls, block.gate, x.reshape(-1, x.shape[-1]))
+    load = torch.bincount(indices.reshape(-1), minlength=block.num_experts).double()
+    assert torch.equal(patch.counts()[0], load.long())
+    patch.update_biases()
+    direction = -1.0 if sign == "sparsify" else 1.0
+    expected = GAMMA * direction * torch.sign(load.mean() - load)
+    torch.testing.assert_close(block.bias, expected.float(), rtol=0, atol=0)
+    # above-mean experts: sparsify raises their bias (rich get richer), balance lowers it
+    busiest = int(load.argmax())
+    assert (block.bias[busiest] > 0) == (sign == "sparsify")
+    assert int(patch.counts().sum()) == 0, "loads reset after an update"
+    assert int(block.bias_updates) == 1
+
+
+def test_center_keeps_zero_mean():
+    model, patch, block, _ = _first_block(gamma=GAMMA, center=True, n=0)
+    for seed in range(3):
+        block(torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)))
+        patch.update_biases()
+    assert abs(float(block.bias.mean())) < 1e-7
+    assert block.bias.abs().max() > 0
+
+
+def test_selection_bias_changes_choice_not_weights():
+    model, patch, block, router_cls = _first_block(n=0)
+    x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    block.bias[5] = 100.0  # expert 5 is chosen by every token ...
+    logits, weights, indices = block.gate(x)
+    assert (indices == 5).any(-1).all()
+    probs = torch.softmax(logits.float(), -1)  # ... with its unbiased softmax weight (olmoe: no renorm)
+    torch.testing.assert_close(weights, probs.gather(1, indices))
+
+
+def test_logit_mode_puts_bias_inside_the_softmax():
+    model, patch, block, _ = _first_block(n=0, bias_mode="logit")
+    x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    block.bias[5] = 3.0
+    logits, weights, indices = block.gate(x)
+    raw = torch.nn.functional.linear(x, block.gate.weight)
+    probs = torch.softmax(raw + block.bias, -1)
+    torch.testing.assert_close(weights, probs.gather(1, indices))
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("budget", ["replace", "append"])
+def test_condensers_in_every_tokens_set(family, budget):
+    model = build_tiny(family).train()
+    patch = moe_lab.apply(model, "condenser", n=1, budget=budget,
+                          experts={layer.index: [3] for layer in moe_lab.apply(copy.deepcopy(model)).layers})
+    block = patch.layers[0]
+    assert block.forced_experts == [3]
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits, weights, indices = getattr(block, patch.spec.router_attr)(x)
+    k = block.top_k
+    assert indices.shape[1] == (k if budget == "replace" else k + 1)
+    assert (indices == 3).sum(-1).eq(1).all(), "every token has the condenser exactly once"
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all(), "no expert twice"
+    out = model(**random_batch())
+    assert torch.isfinite(out.loss)
+
+
+def test_condenser_weight_is_its_router_weight_renormalised_over_the_set():
+    model = build_tiny("qwen3_moe").train()  # renormalised top-k
+    layers = [layer.index for layer in moe_lab.apply(copy.deepcopy(model)).layers]
+    patch = moe_lab.apply(model, "condenser", n=1, experts={i: [6] for i in layers})
+    block = patch.layers[0]
+    x = torch.randn(20, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    logits, weights, indices = block.gate(x)
+    p = torch.softmax(logits.float(), -1)
+    expected = p.gather(1, indices) / p.gather(1, indices).sum(-1, keepdim=True)
+    torch.testing.assert_close(weights, expected.to(weights.dtype))
+
+
+def test_warmup_then_choose_lowest_bias_and_freeze_their_bias():
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, warmup_steps=3)
+    batch = random_batch(batch=4, seq=12)
+    for _ in range(3):
+        assert block.forced_experts == []
+        model(**batch)
+        patch.update_biases()
+    expected = torch.sort(block.bias, stable=True).indices[:2].sort().values.tolist()
+    assert block.forced_experts == expected
+    frozen = block.bias[expected].clone()
+    model(**batch)
+    patch.update_biases()
+    assert torch.equal(block.bias[expected], frozen)
+
+
+@pytest.mark.parametrize("rule", ["most_used", "least_used", "highest_bias"])
+def test_other_selection_rules(rule):
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=1, warmup_steps=2, select=rule)
+    total = torch.zeros(block.num_experts, dtype=torch.long)
+    for seed in range(2):
+        model(**random_batch(batch=4, seq=12, seed=seed))
+        total += patch.counts()[0]
+        patch.update_biases()
+    key = {"most_used": total.double(), "least_used": -total.double(), "highest_bias": block.bias}[rule]
+    assert block.forced_experts == [int(torch.sort(key, descending=True, stable=True).indices[0])]
+
+
+def test_state_file_round_trip_and_export(tmp_path):
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, warmup_steps=2)
+    for seed in range(2):
+        model(**random_batch(seed=seed))
+        patch.update_biases()
+    path = save_condenser_state(patch, tmp_path / "state.json")
+    fresh = build_tiny("olmoe")
+    again = moe_lab.apply(fresh, "condenser", bias_file=str(path), n=2)
+    assert again.layers[0].forced_experts == block.forced_experts
+    assert torch.equal(again.layers[0].bias, block.bias)
+    out = patch.export(tmp_path / "export")
+    saved = json.loads((out / STATE_FILE).read_text())
+    assert saved["layers"][str(block.index)]["forced_experts"] == block.forced_experts
+
+
+def test_bad_options_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="sign"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", sign="up")
+    with pytest.raises(ValueError, match="budget"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", n=3)  # top_k=2
+    with pytest.raises(ValueError, match="warmup_steps=0"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", warmup_steps=0)
+    with pytest.raises(ValueError, match="sparsemixer"):
+        moe_lab.apply(build_tiny("phimoe"), "condenser")
+    other = build_tiny("qwen3_moe")
+    p = moe_lab.apply(other, "condenser", n=0)
+    path = save_condenser_state(p, tmp_path / "q.json")
+    with pytest.raises(ValueError, match="another model"):
+        moe_lab.apply(build_tiny("deepseek_v3"), "condenser", bias_file=str(path))
+
+
+# --- data parallel -------------------------------------------------------------------------------
+
+
+def _ddp_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = build_tiny("olmoe").train()
+    patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2)
+    for seed in range(3):
+        batch = random_batch(batch=4, seq=12, seed=seed)
+        model(**{k: v[rank::world] for k, v in batch.items()})
+        patch.update_biases()
+    torch.save({"bias": patch.layers[0].bias, "forced": patch.layers[0].forced_experts},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_biases_identical_and_equal_to_one_process_on_the_global_batch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert torch.equal(r0["bias"], r1["bias"]) and r0["forced"] == r1["forced"]
+    model = build_tiny("olmoe").train()
+    patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2)
+    for seed in range(3):
+        model(**random_batch(batch=4, seq=12, seed=seed))
+        patch.update_biases()
+    assert torch.equal(patch.layers[0].bias, r0["bias"])
+    assert patch.layers[0].forced_experts == r0["forced"]
