@@ -16,28 +16,77 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     The text is encoded without special tokens, then bos is prepended unless the text already produced it
     (chat templates often write bos as text). Use this at generation time too, so prompts match training.
     """
-    ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    bos = tokenizer.bos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-    return ids
+    return with_bos(tokenizer, text_ids(tokenizer, prompt))
 
 
-def tokenize_example(tokenizer: Any, prompt: str, response: str, max_length: int) -> dict | None:
-    """``input_ids`` = prompt ids (see ``encode_prompt``) + response ids + eos; ``labels`` = -100 on the prompt.
+#: ``dataset.overflow`` policies for examples longer than ``max_length``.
+OVERFLOW_POLICIES = ("truncate", "skip")
+#: Outcomes of ``assemble``: kept whole, cut to ``max_length``, dropped because too long (``skip`` policy),
+#: dropped because no trained token is left (or there never was one).
+OUTCOMES = ("kept", "truncated", "too_long", "no_labels")
 
-    Truncated on the right to ``max_length`` (the prompt start is kept). Returns ``None`` (skip the example)
-    when no response token survives truncation, so nothing is trained with zero loss tokens.
+
+def check_overflow(overflow: str) -> str:
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"dataset.overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    return overflow
+
+
+def assemble(
+    segments: Sequence[tuple[Sequence[int], bool]], max_length: int, overflow: str = "truncate"
+) -> tuple[dict | None, str]:
+    """Join ``(token ids, trained)`` segments into ``{"input_ids", "labels"}``; labels are -100 where not trained.
+
+    Longer than ``max_length``: ``overflow="truncate"`` cuts the end (the start of the prompt is kept),
+    ``"skip"`` drops the example. Returns ``(example or None, outcome)`` with outcome in ``OUTCOMES``; an
+    example with no trained token left is dropped (``"no_labels"``) so nothing trains on zero loss tokens.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+    check_overflow(overflow)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for ids, trained in segments:
+        input_ids.extend(ids)
+        labels.extend(ids if trained else [IGNORE_INDEX] * len(ids))
+    outcome = "kept"
+    if len(input_ids) > max_length:
+        if overflow == "skip":
+            return None, "too_long"
+        input_ids, labels, outcome = input_ids[:max_length], labels[:max_length], "truncated"
+    if all(label == IGNORE_INDEX for label in labels):
+        return None, "no_labels"
+    return {"input_ids": input_ids, "labels": labels}, outcome
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with no special tokens added."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` with the tokenizer's bos in front unless it is already there (or the tokenizer has none)."""
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
+
+
+def prompt_response_segments(tokenizer: Any, prompt: str, response: str) -> list[tuple[list[int], bool]]:
+    """``[(encode_prompt(prompt), False), (response ids + eos, True)]``."""
+    response_ids = text_ids(tokenizer, response)
     if tokenizer.eos_token_id is not None:
         response_ids.append(tokenizer.eos_token_id)
-    input_ids = (prompt_ids + response_ids)[:max_length]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:max_length]
-    if all(label == IGNORE_INDEX for label in labels):
-        return None
-    return {"input_ids": input_ids, "labels": labels}
+    return [(encode_prompt(tokenizer, prompt), False), (response_ids, True)]
+
+
+def tokenize_example(
+    tokenizer: Any, prompt: str, response: str, max_length: int, overflow: str = "truncate"
+) -> dict | None:
+    """``input_ids`` = prompt ids (see ``encode_prompt``) + response ids + eos; ``labels`` = -100 on the prompt.
+
+    Truncated on the right to ``max_length`` (the prompt start is kept), or dropped with ``overflow="skip"``.
+    Returns ``None`` (skip the example) when no response token survives, so nothing is trained with zero
+    loss tokens. ``assemble`` also reports which of these happened.
+    """
+    segments = prompt_response_segments(tokenizer, prompt, response)
+    return assemble(segments, max_length, overflow)[0]
 
 
 def pad_collate(batch: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,24 +1,32 @@
-"""Lightning DataModule for supervised fine-tuning on instruction rows."""
+"""Lightning DataModule for supervised fine-tuning on instruction, chat and reasoning rows."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import random
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
-import lightning as L
-import torch
 from torch.utils.data import DataLoader, Dataset
 
-from moe_lab.data.collate import pad_collate, tokenize_example
+from moe_lab.data.chat import CHAT_FORMATS, chat_segments, validate_chat_rows
+from moe_lab.data.collate import assemble, check_overflow, pad_collate, prompt_response_segments
 from moe_lab.data.llm_adapters import load_llm_adapters
+from moe_lab.data.packing import pack_examples, packed_collate
 from moe_lab.data.prompts import build_prompt
+from moe_lab.data.reasoning import ReasoningFormat, reasoning_rows
+from moe_lab.data.resumable import ResumableDataLoader, ResumableDataModule, ResumableSampler
+from moe_lab.data.sources import read_rows, source_label
 from moe_lab.data.synthetic import synthetic_math_rows
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("synthetic", "llm_adapters")
+#: ``synthetic``: generated arithmetic problems; ``llm_adapters``: instruction/input/output/answer rows
+#: (LLM-Adapters, MathInstruct); ``chat``: rows with ``messages`` (ESFT, Tulu 3); ``reasoning``: question +
+#: thinking trace + answer (s1K), trained as a chat conversation.
+SOURCES = ("synthetic", "llm_adapters", "chat", "reasoning")
 
 
 class ListDataset(Dataset):
@@ -34,12 +42,17 @@ class ListDataset(Dataset):
         return self.items[idx]
 
 
-class SFTDataModule(L.LightningDataModule):
-    """Train/val split of instruction rows, tokenized with prompt masking (see ``tokenize_example``).
+class SFTDataModule(ResumableDataModule):
+    """Train/val split of rows, tokenized with the loss on responses only.
 
-    ``source="synthetic"`` generates ``num_examples`` (default 2000) rows; ``source="llm_adapters"`` reads
-    ``path`` (file or hub id), capped at ``num_examples`` rows after a seeded shuffle. The split is
-    deterministic given ``seed``; every DDP rank builds the same lists and Lightning shards them.
+    ``source`` picks the row format (``SOURCES``); ``path`` is a local file or folder, a URL or a hub id
+    (``name``/``split`` for hub datasets), capped at ``num_examples`` rows after a seeded shuffle.
+    Examples longer than ``max_length`` follow ``overflow``: ``truncate`` (cut the end; dropped only if no
+    response token is left) or ``skip`` (drop); counts are logged and kept in ``overflow_counts``.
+    ``packing=True`` packs the train split into rows of ``max_length`` tokens (``moe_lab.data.packing``; call
+    the model with ``model_inputs(batch)``); validation stays unpacked. The train loader is resumable
+    mid-epoch (``moe_lab.data.resumable``) and shards across data-parallel ranks itself. The split is
+    deterministic given ``seed``; every rank builds the same lists.
     """
 
     def __init__(
@@ -53,20 +66,35 @@ class SFTDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         tokenizer: Any = None,
+        name: str | None = None,
+        split: str = "train",
+        overflow: str = "truncate",
+        packing: bool = False,
+        chat_format: str = "auto",
+        messages_field: str = "messages",
+        reasoning: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"Unknown dataset source {source!r}; valid sources: {', '.join(SOURCES)}")
-        if source == "llm_adapters" and not path:
-            raise ValueError("source='llm_adapters' needs `path` (a .json/.jsonl file or a hub dataset id)")
+        if source != "synthetic" and not path:
+            raise ValueError(f"source={source!r} needs `path` (a local file or folder, a URL or a hub dataset id)")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(f"dataset.chat_format must be one of {', '.join(CHAT_FORMATS)}, got {chat_format!r}")
         self.source, self.path, self.num_examples = source, path, num_examples
+        self.name, self.split = name, split
         self.val_fraction, self.max_length, self.batch_size = val_fraction, max_length, batch_size
         self.num_workers, self.seed, self.tokenizer = num_workers, seed, tokenizer
+        self.overflow, self.packing = check_overflow(overflow), bool(packing)
+        self.chat_format, self.messages_field = chat_format, messages_field
+        self.reasoning = ReasoningFormat(**dict(reasoning or {}))
         self.rows: dict[str, list[dict]] = {}
         self.examples: dict[str, list[dict]] = {}
+        self.packed_rows: list[list[dict]] = []
         self.num_skipped: dict[str, int] = {}
+        self.overflow_counts: dict[str, Counter] = {}
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Set (or replace) the tokenizer; call before ``setup``."""
@@ -74,15 +102,29 @@ class SFTDataModule(L.LightningDataModule):
         self.examples = {}
 
     def load_rows(self) -> list[dict]:
-        """All rows of the source (before splitting), capped at ``num_examples`` for files."""
+        """All rows of the source (before splitting), validated, capped at ``num_examples`` for files."""
         if self.source == "synthetic":
             return synthetic_math_rows(2000 if self.num_examples is None else self.num_examples, self.seed)
-        rows = load_llm_adapters(self.path)
+        if self.source == "llm_adapters":
+            rows = load_llm_adapters(self.path, split=self.split, name=self.name)
+        else:
+            raw = read_rows(self.path, split=self.split, name=self.name)
+            label = source_label(self.path)
+            if self.source == "chat":
+                rows = validate_chat_rows(raw, label, self.messages_field)
+            else:
+                rows = reasoning_rows(raw, label, self.reasoning)
         random.Random(self.seed).shuffle(rows)
         return rows if self.num_examples is None else rows[: self.num_examples]
 
+    def segments(self, row: Mapping[str, Any]) -> list[tuple[list[int], bool]]:
+        """``(token ids, trained)`` pieces of one row (see ``assemble``)."""
+        if "messages" in row and self.source in ("chat", "reasoning"):
+            return chat_segments(self.tokenizer, row["messages"], self.chat_format)
+        return prompt_response_segments(self.tokenizer, build_prompt(self.tokenizer, row), row["output"])
+
     def setup(self, stage: str | None = None) -> None:
-        """Load rows, split train/val by ``seed`` and tokenize both splits (idempotent)."""
+        """Load rows, split train/val by ``seed``, tokenize both splits and pack train if asked (idempotent)."""
         if self.examples:
             return
         if self.tokenizer is None:
@@ -99,52 +141,71 @@ class SFTDataModule(L.LightningDataModule):
             "val": [r for i, r in enumerate(rows) if i in val_idx],
         }
         for split, split_rows in self.rows.items():
-            examples = [
-                tokenize_example(
-                    self.tokenizer, build_prompt(self.tokenizer, r), r["output"], self.max_length
-                )
-                for r in split_rows
-            ]
-            self.examples[split] = [ex for ex in examples if ex is not None]
-            self.num_skipped[split] = len(examples) - len(self.examples[split])
-            if split_rows and not self.examples[split]:
-                raise ValueError(
-                    f"All {len(split_rows)} {split} examples were skipped: no response token fits in "
-                    f"max_length={self.max_length} (byte-level tokens are ~4x more than BPE tokens). "
-                    "Raise dataset.max_length."
-                )
-            if self.num_skipped[split]:
-                log.warning(
-                    "%s: skipped %d/%d examples with no response token left after truncation to "
-                    "max_length=%d",
-                    split,
-                    self.num_skipped[split],
-                    len(examples),
-                    self.max_length,
-                )
+            self.examples[split] = self._tokenize_split(split, split_rows)
+        if self.packing:
+            bins = pack_examples([len(ex["input_ids"]) for ex in self.examples["train"]], self.max_length)
+            self.packed_rows = [[self.examples["train"][i] for i in b] for b in bins]
+            tokens = sum(len(ex["input_ids"]) for ex in self.examples["train"])
+            log.info("train: packed %d examples into %d rows of max_length=%d (%.1f%% of row tokens used)",
+                     len(self.examples["train"]), len(bins), self.max_length,
+                     100.0 * tokens / max(1, len(bins) * self.max_length))
+
+    def _tokenize_split(self, split: str, split_rows: list[dict]) -> list[dict]:
+        counts: Counter = Counter()
+        examples = []
+        for row in split_rows:
+            example, outcome = assemble(self.segments(row), self.max_length, self.overflow)
+            counts[outcome] += 1
+            if example is not None:
+                examples.append(example)
+        self.overflow_counts[split] = counts
+        self.num_skipped[split] = counts["too_long"] + counts["no_labels"]
+        if split_rows and not examples:
+            raise ValueError(
+                f"All {len(split_rows)} {split} examples were dropped ({counts['too_long']} longer than "
+                f"max_length={self.max_length} with overflow={self.overflow}, {counts['no_labels']} with no "
+                "response token left after truncation; byte-level tokens are ~4x more than BPE tokens). "
+                "Raise dataset.max_length."
+            )
+        if split_rows:
+            level = logging.WARNING if counts["truncated"] or self.num_skipped[split] else logging.INFO
+            log.log(level, "%s: %d examples, overflow=%s at max_length=%d: %d kept whole, %d truncated, "
+                    "%d dropped as too long, %d dropped with no response token left", split, len(split_rows),
+                    self.overflow, self.max_length, counts["kept"], counts["truncated"], counts["too_long"],
+                    counts["no_labels"])
+        return examples
 
     def gold_answers(self, split: str = "val") -> list[str | None]:
-        """``answer`` of each row of ``split`` (all rows, including ones skipped by truncation)."""
+        """``answer`` of each row of ``split`` (all rows, including ones dropped by the overflow policy)."""
         return [r.get("answer") for r in self.rows[split]]
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+    def _pad_id(self) -> int:
         pad_id = self.tokenizer.pad_token_id
-        pad_id = self.tokenizer.eos_token_id if pad_id is None else pad_id
-        return DataLoader(
-            ListDataset(self.examples[split]),
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
-            num_workers=self.num_workers,
-            collate_fn=functools.partial(pad_collate, pad_id=pad_id),
-            persistent_workers=self.num_workers > 0,
-        )
+        return self.tokenizer.eos_token_id if pad_id is None else pad_id
 
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled (seeded) loader over the tokenized train split."""
-        return self._loader("train", shuffle=True)
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Shuffled (``seed + epoch``) loader over this rank's share of the train split; resumable mid-epoch."""
+        if self.packing:
+            dataset, collate = ListDataset(self.packed_rows), packed_collate
+        else:
+            dataset, collate = ListDataset(self.examples["train"]), pad_collate
+        num_replicas, rank = self.data_parallel_shard()
+        return self.track_train_loader(ResumableDataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed),
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(collate, pad_id=self._pad_id()),
+            persistent_workers=self.num_workers > 0,
+        ))
 
     def val_dataloader(self) -> DataLoader:
-        """Loader over the tokenized val split, in order."""
-        return self._loader("val", shuffle=False)
+        """Loader over the tokenized val split, in order (unpacked)."""
+        return DataLoader(
+            ListDataset(self.examples["val"]),
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(pad_collate, pad_id=self._pad_id()),
+            persistent_workers=self.num_workers > 0,
+        )

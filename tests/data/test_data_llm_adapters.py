@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_lab.data import llm_adapters
+from moe_lab.data import sources
 from moe_lab.data.llm_adapters import load_llm_adapters, row_start_lines
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "llm_adapters"
@@ -84,7 +84,7 @@ def test_missing_file_and_unreachable_hub(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'some-org/some-data' on the Hub")
 
-    monkeypatch.setattr(llm_adapters, "load_dataset", offline)
+    monkeypatch.setattr(sources, "load_dataset", offline)
     with pytest.raises(OSError) as info:
         load_llm_adapters("some-org/some-data")
     assert "some-org/some-data" in str(info.value) and "dataset.path=/local/file.json" in str(info.value)

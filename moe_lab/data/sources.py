@@ -1,0 +1,140 @@
+"""Read dataset rows from a local file or folder, a URL, or a Hugging Face hub id, through ``datasets``.
+
+One place decides where rows come from and how a bad row is reported (file, line, field), so every
+format (LLM-Adapters, chat messages, reasoning traces, plain text) gives the same errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+from datasets import load_dataset, load_from_disk
+
+#: File suffix -> ``datasets`` builder for local files and URLs.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+_DATASET_FOLDER_MARKERS = ("dataset_info.json", "state.json")
+
+
+def override_hint(example: str = "/local/file.json") -> str:
+    """The Hydra override that points a dataset config at a local copy."""
+    return f"Point to a local copy with the Hydra override `dataset.path={example}`."
+
+
+def is_url(path_or_id: str) -> bool:
+    return path_or_id.startswith(("http://", "https://"))
+
+
+def is_local(path_or_id: str) -> bool:
+    """A local path (absolute, ./ or ~, an existing path, or a data-file name), not a hub id or URL."""
+    if is_url(path_or_id):
+        return False
+    return (
+        path_or_id.endswith(tuple(FILE_BUILDERS))
+        or os.path.isabs(path_or_id)
+        or path_or_id.startswith((".", "~"))
+        or os.path.exists(path_or_id)
+    )
+
+
+def _builder(path: str) -> str:
+    for suffix, builder in FILE_BUILDERS.items():
+        if path.endswith(suffix):
+            return builder
+    raise ValueError(
+        f"Cannot tell the format of {path!r}: use one of {', '.join(FILE_BUILDERS)} (or a dataset folder)."
+    )
+
+
+def row_start_lines(path: str) -> list[int]:
+    """1-based line where each row of a JSON array or JSON-lines file starts (blank lines are skipped)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):  # JSON lines
+        return [i + 1 for i, line in enumerate(text.split("\n")) if line.strip()]
+    decoder, pos, line, counted, lines = json.JSONDecoder(), start + 1, 1, 0, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return lines
+        line += text.count("\n", counted, pos)
+        counted = pos
+        lines.append(line)
+        _, pos = decoder.raw_decode(text, pos)
+
+
+def where(source: str, i: int) -> str:
+    """``"<file>: row i starting at line n"`` for JSON/JSONL files, else ``"<source>: row i"``."""
+    if os.path.isfile(source) and source.endswith((".json", ".jsonl")):
+        return f"{source}: row {i} starting at line {row_start_lines(source)[i]}"
+    return f"{source}: row {i}"
+
+
+def _hub_error(path_or_id: str, name: str | None, split: str, err: Exception, example: str) -> OSError:
+    what = path_or_id if name is None else f"{path_or_id} (config {name!r})"
+    place = "URL" if is_url(path_or_id) else "Hugging Face hub"
+    return OSError(
+        f"Could not load dataset {what}, split {split!r}, from the {place}: it is unreachable (offline?) or does "
+        f"not exist. {override_hint(example)} Original error: {type(err).__name__}: {err}"
+    )
+
+
+def open_dataset(
+    path_or_id: str,
+    split: str = "train",
+    name: str | None = None,
+    streaming: bool = False,
+    example: str = "/local/file.json",
+):
+    """A ``datasets`` Dataset (or IterableDataset when ``streaming``) for a file, folder, URL or hub id.
+
+    Local files are read with the builder for their suffix (``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv``;
+    ``split`` and ``name`` are ignored); a folder written by ``save_to_disk`` is loaded with ``load_from_disk``;
+    any other folder, a URL or a hub id goes through ``load_dataset`` with ``name`` and ``split``.
+    A missing local path raises ``FileNotFoundError``; an unreachable URL or hub id raises ``OSError``; both
+    name the ``dataset.path=<example>`` override.
+    """
+    if is_local(path_or_id):
+        path = os.path.expanduser(path_or_id)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Dataset path {path_or_id!r} does not exist. {override_hint(example)}")
+        if os.path.isfile(path):
+            return load_dataset(_builder(path), data_files=path, split="train", streaming=streaming)
+        if all(os.path.exists(os.path.join(path, m)) for m in _DATASET_FOLDER_MARKERS):
+            ds = load_from_disk(path)
+            ds = ds[split] if hasattr(ds, "keys") else ds
+            return ds.to_iterable_dataset() if streaming else ds
+        return load_dataset(path, name, split=split, streaming=streaming)
+    try:
+        if is_url(path_or_id):
+            return load_dataset(_builder(path_or_id), data_files=path_or_id, split="train", streaming=streaming)
+        return load_dataset(path_or_id, name, split=split, streaming=streaming)
+    except Exception as err:  # hub errors come from several libraries (requests, httpx, huggingface_hub)
+        raise _hub_error(path_or_id, name, split, err, example) from err
+
+
+def read_rows(
+    path_or_id: str, split: str = "train", name: str | None = None, example: str = "/local/file.json"
+) -> list[dict]:
+    """All rows of ``open_dataset(path_or_id, split, name)`` as a list of dicts."""
+    return open_dataset(path_or_id, split=split, name=name, example=example).to_list()
+
+
+def stream_rows(
+    path_or_id: str,
+    split: str = "train",
+    name: str | None = None,
+    streaming: bool = True,
+    example: str = "/local/file.txt",
+) -> Iterator[dict]:
+    """Rows one at a time (``streaming=True`` reads a hub dataset without downloading all of it)."""
+    ds: Iterable[dict] = open_dataset(path_or_id, split=split, name=name, streaming=streaming, example=example)
+    yield from ds
+
+
+def source_label(path_or_id: str) -> str:
+    """How errors name the source: the expanded local path, or the URL/hub id as given."""
+    return os.path.expanduser(path_or_id) if is_local(path_or_id) else path_or_id
