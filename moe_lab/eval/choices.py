@@ -60,7 +60,7 @@ class ChoiceItem:
 
 def row_labels(instruction: str) -> list[str]:
     """The labels the row's own ``Answer format: a/b/c`` line offers (ARC rows have 3, 4 or 5)."""
-    head, sep, tail = instruction.rpartition("Answer format:")
+    _, sep, tail = instruction.rpartition("Answer format:")
     if not sep:
         raise ValueError("instruction has no 'Answer format:' line")
     return [label.strip() for label in tail.strip().split("/")]

@@ -199,7 +199,7 @@ def _read_hub(spec: EvalSet) -> list[dict]:
 
     try:
         return datasets.load_dataset(spec.hub, spec.hub_config, split=spec.split).to_list()
-    except Exception as err:  # offline / missing: errors come from several libraries
+    except Exception as err:  # noqa: BLE001 (offline / missing: errors come from several libraries)
         raise EvalSetUnavailable(
             f"evaluation set {spec.name!r} needs {spec.hub!r} ({spec.hub_config or 'default'} config, split "
             f"{spec.split!r}) from the Hugging Face hub, which could not be read ({err.__class__.__name__}). "

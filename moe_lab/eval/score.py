@@ -29,7 +29,7 @@ from .answers import (
     numbers_match,
     parse_gold_number,
 )
-from .choices import choice_item, get_format, row_labels
+from .choices import choice_item, get_format
 from .eval_sets import EvalData, EvalSet, get_eval_set, load_eval_set, row_ids
 
 
@@ -359,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: bad gold answer, row not scored: {problem}", file=sys.stderr)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            for item in per_item:
-                f.write(json.dumps(item, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in per_item)
     print(format_summary(summary))
     print(json.dumps({k: v for k, v in summary.items() if k != "bad_gold"}))
     return 0

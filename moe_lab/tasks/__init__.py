@@ -11,7 +11,13 @@ def _finetune(cfg):
     return finetune(cfg)
 
 
-TASKS: dict[str, Callable] = {"finetune": _finetune}
+def _evaluate(cfg):
+    from .evaluate import evaluate
+
+    return evaluate(cfg)
+
+
+TASKS: dict[str, Callable] = {"finetune": _finetune, "evaluate": _evaluate}
 
 
 def run_task(cfg):

@@ -1,0 +1,167 @@
+"""Results tables in the papers' shape: one row per (model, method), one column per dataset, then the average.
+
+Accuracies are shown in percent; perplexity columns are shown as they are and are never averaged.
+``python -m moe_lab.eval.results RUN_DIR [RUN_DIR ...] --out DIR`` merges the ``summary.json`` of several
+``task=evaluate`` runs (e.g. a ``-m`` sweep over checkpoints) into one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+AVERAGE = "Avg."
+
+
+@dataclass
+class ResultsTable:
+    """Cells keyed by ``(model, method)`` and column name; ``averaged`` columns enter the average."""
+
+    columns: list[str] = field(default_factory=list)
+    averaged: set[str] = field(default_factory=set)
+    cells: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+
+    def add(self, model: str, method: str, column: str, value: float | None, averaged: bool = True) -> None:
+        """Set one cell (percent for accuracies); ``None`` leaves the cell empty."""
+        if column not in self.columns:
+            self.columns.append(column)
+        if averaged:
+            self.averaged.add(column)
+        row = self.cells.setdefault((model, method), {})
+        if value is not None:
+            row[column] = float(value)
+
+    def average(self, key: tuple[str, str]) -> tuple[float | None, int]:
+        """(mean over the row's averaged columns that have a value, how many of them had one)."""
+        values = [v for c, v in self.cells[key].items() if c in self.averaged]
+        return (sum(values) / len(values) if values else None), len(values)
+
+    @property
+    def n_averaged(self) -> int:
+        return sum(c in self.averaged for c in self.columns)
+
+    def header(self) -> list[str]:
+        return ["model", "method", *self.columns, AVERAGE]
+
+    def records(self, digits: int | None = 2) -> list[list]:
+        """Rows of values (rounded to ``digits``; ``None`` where there is no value)."""
+        rnd = (lambda v: v) if digits is None else (lambda v: round(v, digits))
+        out = []
+        for key, row in self.cells.items():
+            avg, _ = self.average(key)
+            values = [rnd(row[c]) if c in row else None for c in self.columns]
+            out.append([*key, *values, None if avg is None else rnd(avg)])
+        return out
+
+    def write_csv(self, path) -> None:
+        """CSV with the header, one line per row; ``n_averaged`` says how many columns the average covers."""
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow([*self.header(), "n_averaged"])
+            for key, record in zip(self.cells, self.records()):
+                writer.writerow(["" if v is None else v for v in record] + [self.average(key)[1]])
+
+    def to_markdown(self, digits: int = 1) -> str:
+        """A markdown table; an average over fewer columns than the table has is marked with ``*``."""
+        lines = ["| " + " | ".join(self.header()) + " |", "|" + "---|" * len(self.header())]
+        partial = False
+        for key, record in zip(self.cells, self.records(digits=None)):
+            cells = [key[0], key[1]]
+            for column, value in zip(self.columns, record[2:-1]):
+                cells.append("–" if value is None else f"{value:.{2 if column not in self.averaged else digits}f}")
+            avg, n = self.average(key)
+            mark = "*" if avg is not None and n < self.n_averaged else ""
+            partial |= bool(mark)
+            cells.append("–" if avg is None else f"{avg:.{digits}f}{mark}")
+            lines.append("| " + " | ".join(cells) + " |")
+        if partial:
+            lines.append("")
+            lines.append("\\* average over the datasets with a result only (others skipped or unavailable)")
+        return "\n".join(lines) + "\n"
+
+    def write_markdown(self, path) -> None:
+        Path(path).write_text(self.to_markdown(), encoding="utf-8")
+
+    def log_wandb(self, loggers=(), key: str = "eval/results") -> bool:
+        """Log the table to every Lightning ``WandbLogger`` in ``loggers`` (or the active ``wandb.run``).
+
+        Returns whether it was logged anywhere.
+        """
+        from lightning.pytorch.loggers import WandbLogger
+
+        columns, data = self.header(), self.records()
+        logged = False
+        for logger in loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table(key=key, columns=columns, data=data)
+                logged = True
+        if not logged:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.run.log({key: wandb.Table(columns=columns, data=data)})
+                logged = True
+        return logged
+
+    def to_json(self) -> list[dict]:
+        """Cells as ``[{"model", "method", "column", "value", "averaged"}]`` (what summary.json stores)."""
+        return [{"model": m, "method": k, "column": c, "value": v, "averaged": c in self.averaged}
+                for (m, k), row in self.cells.items() for c, v in row.items()]
+
+    @classmethod
+    def from_json(cls, cells: list[dict], columns: list[str] | None = None) -> ResultsTable:
+        table = cls(columns=list(columns or []))
+        for cell in cells:
+            table.add(cell["model"], cell["method"], cell["column"], cell["value"], cell["averaged"])
+        return table
+
+    def merge(self, other: ResultsTable) -> None:
+        """Add ``other``'s columns and cells (its cells win where both have one)."""
+        for column in other.columns:
+            if column not in self.columns:
+                self.columns.append(column)
+        self.averaged |= other.averaged
+        for key, row in other.cells.items():
+            self.cells.setdefault(key, {}).update(row)
+
+
+def collect(run_dirs) -> ResultsTable:
+    """One table from the ``summary.json`` of ``task=evaluate`` run directories, in the order given."""
+    table = ResultsTable()
+    for run in run_dirs:
+        path = Path(run) / "summary.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: is {run} a task=evaluate run directory?")
+        summary = json.loads(path.read_text())
+        if "table" not in summary:
+            raise ValueError(f"{path} has no 'table': it was not written by task=evaluate")
+        table.merge(ResultsTable.from_json(summary["table"], summary.get("columns")))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_lab.eval.results",
+                                     description="Merge task=evaluate runs into one results table.")
+    parser.add_argument("runs", nargs="+", help="run directories holding summary.json")
+    parser.add_argument("--out", default=None, help="write results.csv and results.md into this directory")
+    args = parser.parse_args(argv)
+    try:
+        table = collect(args.runs)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        table.write_csv(out / "results.csv")
+        table.write_markdown(out / "results.md")
+    print(table.to_markdown(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
