@@ -9,6 +9,9 @@ reads them as variable-length sequences, but only when the model gets ``attentio
 cache: a 2-D ``attention_mask`` is read as a padding mask and ``use_cache=True`` (the default of most
 configs) disables the detection, both silently letting examples attend to each other.
 
+Not every model forwards ``position_ids`` to its mask builder (transformers 5.23's GPT-OSS does not, so it
+would attend across examples): ``verify_packing(model)`` checks a model with one short forward pass.
+
 So a packed batch has no ``attention_mask`` key. It holds ``input_ids``, ``labels``, ``position_ids`` and
 ``token_mask`` (1 on the examples' tokens, 0 on the trailing pad that fills a row to the batch width; the pad
 gets its own position run, so it is a separate block). Call the model with ``model_inputs(batch)`` and count
@@ -88,3 +91,29 @@ def model_inputs(batch: dict) -> dict:
 def real_token_mask(batch: dict) -> torch.Tensor:
     """1 on real tokens, 0 on padding, for a packed or a padded batch."""
     return batch["token_mask"] if is_packed(batch) else batch["attention_mask"]
+
+
+def verify_packing(model: torch.nn.Module, atol: float = 1e-4) -> None:
+    """Raise unless ``model`` keeps packed examples apart: the logits of a 5-token sequence packed after a
+    4-token one (``model_inputs`` of a packed batch) must equal its logits alone. One no-grad forward in
+    eval mode; the training flag is restored."""
+    param = next(model.parameters())
+    vocab = int(getattr(model.config, "vocab_size", 64))
+    first, second = [1, 5, 6, 7], [1, 8, 9, 10, 11]
+    first, second = [t % vocab for t in first], [t % vocab for t in second]
+    batch = packed_collate([[{"input_ids": first, "labels": first}, {"input_ids": second, "labels": second}]], 0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            inputs = {k: v.to(param.device) if torch.is_tensor(v) else v for k, v in model_inputs(batch).items()}
+            packed = model(**inputs).logits[0, len(first):].float()
+            alone = model(input_ids=torch.tensor([second], device=param.device), use_cache=False).logits[0].float()
+    finally:
+        model.train(was_training)
+    gap = float((packed - alone).abs().max())
+    if gap > atol:
+        raise ValueError(
+            f"{type(model).__name__} attends across packed examples (logits differ by {gap:.3g}): its transformers "
+            "implementation does not build the packed-sequence mask from position_ids. Use dataset.packing=false."
+        )

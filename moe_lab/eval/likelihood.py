@@ -81,6 +81,9 @@ def continuation_logliks(
     for i, (context_ids, continuation_ids) in enumerate(pairs):
         if not continuation_ids:
             raise ValueError(f"pair {i}: the continuation has no tokens; nothing to score")
+        if not context_ids:
+            raise ValueError(f"pair {i}: the context has no tokens (and the tokenizer no bos); the first "
+                             "continuation token cannot be scored")
         if max_length is not None and len(continuation_ids) > max_length:
             raise ValueError(
                 f"pair {i}: the continuation has {len(continuation_ids)} tokens, more than max_length="

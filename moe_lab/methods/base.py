@@ -57,11 +57,12 @@ class MoELightningModule(L.LightningModule):
         scheduler: dict | None = None,
         gradient_checkpointing: bool = False,
         name: str | None = None,
+        lora: dict | None = None,
     ):
         super().__init__()
         self.model = model
         self.method = method
-        self.patch = apply(model, method, **(_plain(options) or {}))
+        self.patch = apply(model, method, lora=_plain(lora) or None, **(_plain(options) or {}))
         self.aux_loss_coef = aux_loss_coef
         self._moe_lab_adds_aux = False
         if aux_loss_coef is not None:
@@ -73,7 +74,7 @@ class MoELightningModule(L.LightningModule):
         self.save_hyperparameters({  # plain containers only: checkpoints load with weights_only=True
             "name": name or method, "method": method, "options": _plain(options) or {},
             "aux_loss_coef": aux_loss_coef, "optim": self.optim, "scheduler": self.scheduler_cfg,
-            "gradient_checkpointing": gradient_checkpointing,
+            "gradient_checkpointing": gradient_checkpointing, "lora": _plain(lora),
         })
 
     def forward(self, **batch):

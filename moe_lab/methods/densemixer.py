@@ -11,6 +11,7 @@ exactly the conventional gradients; shared experts are untouched.
 from __future__ import annotations
 
 import torch
+from torch.nn.utils import parametrize
 
 from ..moe.block import MoEBlock
 from ..moe.experts import expert_forward, expert_intermediate_size
@@ -63,7 +64,7 @@ class _InactiveExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, inactive = ctx.saved_tensors
         grad_w = torch.zeros(inactive.shape, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
+        with torch.no_grad(), parametrize.cached():
             for e in range(inactive.shape[1]):
                 tokens = inactive[:, e].nonzero().squeeze(-1)
                 for chunk in tokens.split(ctx.chunk_tokens):

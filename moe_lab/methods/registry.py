@@ -9,14 +9,19 @@ from torch import nn
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
+from .compressed_experts import install_compressed_experts
 from .condenser import install_condenser
 from .densemixer import install_densemixer
+from .lora import add_lora
+from .esft import install_esft
 from .sft import install_frozen_router, install_sft
 
 METHODS: dict[str, Callable] = {
     "sft": install_sft,
     "frozen_router": install_frozen_router,
     "densemixer": install_densemixer,
+    "esft": install_esft,
+    "compressed_experts": install_compressed_experts,
     "condenser": install_condenser,
 }
 
@@ -26,10 +31,11 @@ def supported_methods() -> list[str]:
     return sorted(METHODS)
 
 
-def apply(model: nn.Module, method: str = "sft", **options) -> MoEPatch:
+def apply(model: nn.Module, method: str = "sft", lora: dict | None = None, **options) -> MoEPatch:
     """Install moe-lab MoE blocks into a loaded HF MoE model in place and set up ``method``.
 
-    Returns the :class:`MoEPatch` (``.layers`` handles, ``.export()``, ``.remove()``).
+    ``lora`` (rank, alpha, dropout, targets, train_router; see :mod:`moe_lab.methods.lora`) adds
+    adapters on top of any method. Returns the :class:`MoEPatch` (``.layers``, ``.export()``, ``.remove()``).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {', '.join(supported_methods())}")
@@ -42,6 +48,13 @@ def apply(model: nn.Module, method: str = "sft", **options) -> MoEPatch:
         raise TypeError(
             f"method {method!r} got unknown option(s) {unknown}; it accepts {sorted(accepted) or 'none'}"
         )
+    base_parameters = {id(p) for p in model.parameters()}
     patch = MoEPatch(model, method=method)
     installer(patch, **options)
+    if lora:
+        accepted = set(inspect.signature(add_lora).parameters) - {"patch", "base_parameters"}
+        bad = sorted(set(lora) - accepted)
+        if bad:
+            raise TypeError(f"lora got unknown option(s) {bad}; it accepts {sorted(accepted)}")
+        add_lora(patch, base_parameters, **lora)
     return patch

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
@@ -115,7 +116,8 @@ class MoEBlock(nn.Module):
         x = self._jitter(hidden_states).reshape(-1, hidden)
         logits, weights, indices = getattr(self, self.spec.router_attr)(x)
         self._count(indices, batch, seq)
-        out = self.mixer(self, x, logits, weights, indices)
+        with parametrize.cached():  # LoRA-parametrized experts are merged once per forward, not per expert
+            out = self.mixer(self, x, logits, weights, indices)
         spec = self.spec
         if spec.shared_attr is not None:
             shared = getattr(self, spec.shared_attr)(x)

@@ -38,6 +38,8 @@ class MoEPatch:
         self.step_hooks: list = []
         # callables ``hook(directory)`` writing method state beside an export (e.g. router biases)
         self.export_hooks: list = []
+        # LoRA: returns the merged (vanilla-keyed) state dict for export; None saves the model as is
+        self.export_state_dict = None
         # Expert Condenser's bias update (set by its installer); see :meth:`update_biases`
         self.bias_updater = None
         self.install()
@@ -189,7 +191,8 @@ class MoEPatch:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             with self.removed():
-                self.model.save_pretrained(tmp, safe_serialization=safe_serialization)
+                state_dict = self.export_state_dict() if self.export_state_dict else None
+                self.model.save_pretrained(tmp, safe_serialization=safe_serialization, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             for hook in self.export_hooks:

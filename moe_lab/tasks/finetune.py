@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from ..models import load_model
@@ -45,6 +45,8 @@ def finetune(cfg: DictConfig) -> dict:
                          _recursive_=False)
     loggers = _instantiate_all(cfg.logger)
     callbacks = _instantiate_all(cfg.callbacks)
+    if not loggers:  # logger=none: nothing to report learning rates to
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer = build_trainer(cfg, out, loggers, callbacks)
     start = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.task.ckpt_path)

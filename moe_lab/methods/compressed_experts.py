@@ -1,0 +1,292 @@
+"""Compressed Experts (He, Liu, Liang, Awadalla 2025, "Efficiently Editing Mixture-of-Experts Models with
+Compressed Experts", arXiv:2503.00634; public code: OlmoeSparseCompressedMoeBlock in the Compressed-Experts
+repository).
+
+Each token's top-k experts are split by router weight into k_m *main* experts (the largest weights) and
+k_a = k - k_m *auxiliary* experts. Every routed expert e owns two trainable vectors, initialised to ones
+when the method is installed (after loading): ``input_scale[e]`` (hidden size) and ``act_scale[e]``
+(expert intermediate size). The auxiliary experts are never executed; their vectors, averaged with their
+router weights renormalised over the auxiliary set (a_j = w_j / sum_aux w), rescale the main experts::
+
+    u = sum_j a_j input_scale[j]        s = sum_j a_j act_scale[j]        (j over the auxiliary experts)
+    y = sum_{i in main} w_i * W_down_i( (act(W_gate_i (x*u)) * W_up_i (x*u)) * s )    (+ shared experts)
+
+Main experts keep their original router weights w_i (no renormalisation over the main set, as in the
+public code); with ``main_weights="renormalized"`` they are rescaled to carry the whole top-k mass,
+w_i * sum_topk w / sum_main w. ``input_scaling="separate"`` gives the gate and up projections their own
+input vectors, as the public code does (three vectors per expert); ``"shared"`` (default) uses one.
+At initialisation the layer therefore equals top-k_m routing with the family's own top-k weights.
+
+``full_finetune=True`` (default; the public code fine-tunes the whole model with the vectors) or
+``False``: only the vectors train. The vectors are one 1-D parameter per expert, so the Lightning module
+puts them in the no-weight-decay group like norm gains.
+
+Export: ``patch.export`` writes the vanilla HF checkpoint (vanilla transformers cannot represent
+compressed experts: it runs plain top-k routing) plus ``moe_lab_compressed_experts.safetensors`` and
+``moe_lab_compressed_experts.json``; :func:`load_compressed_experts` reinstalls them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..moe.block import MoEBlock
+from ..moe.experts import expert_intermediate_size
+from ..moe.patch import MoEPatch
+from ..moe.view import MoELayerView
+
+log = logging.getLogger(__name__)
+
+INPUT_SCALINGS = ("shared", "separate")
+MAIN_WEIGHTS = ("original", "renormalized")
+VECTORS_FILE = "moe_lab_compressed_experts.safetensors"
+CONFIG_FILE = "moe_lab_compressed_experts.json"
+NOT_VANILLA = ("vanilla transformers cannot represent compressed experts: from_pretrained on this directory "
+               "routes every token to its full top-k experts; load it with "
+               "moe_lab.methods.compressed_experts.load_compressed_experts(model, directory)")
+
+
+class CompressedExpertVectors(nn.Module):
+    """The per-expert vectors of one MoE layer: one 1-D parameter per expert and kind, ones at creation."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, separate_up_input: bool,
+                 like: torch.Tensor):
+        super().__init__()
+
+        def ones(size: int) -> nn.ParameterList:
+            return nn.ParameterList(
+                [nn.Parameter(torch.ones(size, dtype=like.dtype, device=like.device)) for _ in range(num_experts)])
+
+        self.input_scale = ones(hidden)
+        self.act_scale = ones(intermediate)
+        self.up_input_scale = ones(hidden) if separate_up_input else None
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """``{"input_scale": [E, H], "act_scale": [E, I](, "up_input_scale": [E, H])}``."""
+        kinds = {"input_scale": self.input_scale, "act_scale": self.act_scale}
+        if self.up_input_scale is not None:
+            kinds["up_input_scale"] = self.up_input_scale
+        return {name: torch.stack(list(params)) for name, params in kinds.items()}
+
+
+class CompressedExpertsMixture:
+    """``MoEBlock.mixer`` of Compressed Experts (see the module docstring)."""
+
+    def __init__(self, k_main: int, main_weights: str):
+        self.k_main = k_main
+        self.main_weights = main_weights
+
+    def split(self, weights: torch.Tensor, indices: torch.Tensor):
+        """``(main weights, main ids, auxiliary weights renormalised over the auxiliary set, aux ids)``,
+        main = the k_main largest router weights (ties: earlier top-k slot first)."""
+        order = torch.argsort(weights, dim=-1, descending=True, stable=True)
+        w, idx = weights.gather(1, order), indices.gather(1, order)
+        k_m = self.k_main
+        main_w, aux_w = w[:, :k_m], w[:, k_m:]
+        if self.main_weights == "renormalized":
+            main_total = main_w.sum(-1, keepdim=True)
+            main_w = main_w * torch.where(main_total > 0, w.sum(-1, keepdim=True) / main_total, 1.0)
+        aux_total = aux_w.sum(-1, keepdim=True)
+        uniform = torch.full_like(aux_w, 1.0 / aux_w.shape[1])
+        aux_norm = torch.where(aux_total > 0, aux_w / torch.where(aux_total > 0, aux_total, 1.0), uniform)
+        return main_w, idx[:, :k_m], aux_norm, idx[:, k_m:]
+
+    def __call__(self, block: MoEBlock, x, logits, weights, indices):
+        main_w, main_idx, aux_w, aux_idx = self.split(weights, indices)
+        vectors = block.compressed_experts.stacked()
+        dtype = vectors["input_scale"].dtype
+        mix = torch.zeros(x.shape[0], block.num_experts, dtype=dtype, device=x.device)
+        mix = mix.scatter_add(1, aux_idx, aux_w.to(dtype))  # [N, E] renormalised auxiliary weights
+        scales = {name: mix @ v for name, v in vectors.items()}
+        return scaled_expert_mixture(block.view.obj, x, main_idx, main_w, scales)
+
+
+def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                          scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``sum_slot weights * E_indices(x * input_scale)`` with the intermediate activation times ``act_scale``.
+
+    Grouped by expert like HF's packed-expert loop (one gather, one slice per hit expert, one index_add);
+    ``scales`` holds per-token rows: input_scale [N, H], act_scale [N, I], optional up_input_scale [N, H].
+    Works on slices of the packed tensors of ``view``.
+    """
+    n_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=view.num_experts).tolist()
+    tokens = order // k
+    rows = x[tokens]
+    gate_in = rows * scales["input_scale"][tokens]
+    up_in = rows * scales["up_input_scale"][tokens] if "up_input_scale" in scales else None
+    act = scales["act_scale"][tokens]
+    outputs, start = [], 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        part = slice(start, start + count)
+        start += count
+        hidden = _expert_hidden(view, e, gate_in[part], None if up_in is None else up_in[part])
+        outputs.append(_expert_down(view, e, hidden * act[part]))
+    out = torch.cat(outputs) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+
+def _expert_hidden(view: MoELayerView, e: int, x_gate: torch.Tensor, x_up: torch.Tensor | None) -> torch.Tensor:
+    """Intermediate activation [n, I] of expert e (gate input ``x_gate``, up input ``x_up`` or the same)."""
+    experts = view.experts
+    if view.spec.expert_layout == "gpt_oss":
+        w, b = experts.gate_up_proj[e], experts.gate_up_proj_bias[e]  # [H, 2I] interleaved gate/up
+        if x_up is None:
+            return experts._apply_gate(x_gate @ w + b)
+        gate = x_gate @ w[:, ::2] + b[::2]
+        up = x_up @ w[:, 1::2] + b[1::2]
+        return experts._apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))
+    w = experts.gate_up_proj[e]  # [2I, H]: gate rows, then up rows
+    if x_up is None:
+        gate, up = F.linear(x_gate, w).chunk(2, dim=-1)
+    else:
+        size = w.shape[0] // 2
+        gate, up = F.linear(x_gate, w[:size]), F.linear(x_up, w[size:])
+    return experts.act_fn(gate) * up
+
+
+def _expert_down(view: MoELayerView, e: int, hidden: torch.Tensor) -> torch.Tensor:
+    experts = view.experts
+    if view.spec.expert_layout == "gpt_oss":
+        return hidden @ experts.down_proj[e] + experts.down_proj_bias[e]
+    return F.linear(hidden, experts.down_proj[e])
+
+
+def default_k_main(top_k: int) -> int:
+    """k_m = k // 2 (the paper's setting: half of the activated experts are compressed)."""
+    return top_k // 2
+
+
+def install_compressed_experts(
+    patch: MoEPatch,
+    k_main: int | None = None,
+    full_finetune: bool = True,
+    input_scaling: str = "shared",
+    main_weights: str = "original",
+) -> None:
+    """Install Compressed Experts on every MoE layer (options in the module docstring).
+
+    ``k_main``: main experts per token (default top_k // 2; 1 <= k_main < top_k). ``full_finetune``:
+    train the whole model with the vectors (True) or only the vectors (False).
+    """
+    if input_scaling not in INPUT_SCALINGS:
+        raise ValueError(f"input_scaling={input_scaling!r} is not one of {INPUT_SCALINGS}")
+    if main_weights not in MAIN_WEIGHTS:
+        raise ValueError(f"main_weights={main_weights!r} is not one of {MAIN_WEIGHTS}")
+    top_k = patch.layers[0].top_k
+    k_main = default_k_main(top_k) if k_main is None else k_main
+    if top_k < 2:
+        raise ValueError(f"compressed_experts needs top_k >= 2 (main + auxiliary experts); this model has "
+                         f"top_k={top_k}")
+    if not (isinstance(k_main, int) and 1 <= k_main < top_k):
+        raise ValueError(f"k_main={k_main!r} must be an integer in [1, {top_k - 1}] (top_k={top_k}: at least one "
+                         "main and one auxiliary expert)")
+    if not full_finetune:
+        for param in patch.model.parameters():
+            param.requires_grad_(False)
+    for view, block in zip(patch.views, patch.layers):
+        block.compressed_experts = CompressedExpertVectors(
+            block.num_experts, view.config.hidden_size, expert_intermediate_size(view),
+            input_scaling == "separate", like=view.down_proj)
+        block.mixer = CompressedExpertsMixture(k_main, main_weights)
+    options = {"k_main": k_main, "full_finetune": bool(full_finetune), "input_scaling": input_scaling,
+               "main_weights": main_weights}
+    patch.export_hooks.append(lambda directory: save_compressed_experts(patch, directory, options))
+
+
+# export / load --------------------------------------------------------------------------------------
+def compressed_expert_state(patch: MoEPatch) -> dict[str, torch.Tensor]:
+    """``{"layers.<index>.<kind>": [E, size]}`` for every MoE layer (contiguous CPU copies)."""
+    state = {}
+    for block in patch.layers:
+        for name, tensor in block.compressed_experts.stacked().items():
+            state[f"layers.{block.index}.{name}"] = tensor.detach().to("cpu").contiguous()
+    return state
+
+
+def save_compressed_experts(patch: MoEPatch, directory: str | Path, options: dict) -> None:
+    """Write the vectors and the method options beside an export (called by ``patch.export``)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    save_file(compressed_expert_state(patch), str(directory / VECTORS_FILE), metadata={"format": "pt"})
+    config = {"method": "compressed_experts", "options": options, "moe_layers": [b.index for b in patch.layers],
+              "note": NOT_VANILLA}
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    log.warning("compressed_experts export: %s", NOT_VANILLA)
+
+
+def load_compressed_experts(model: nn.Module, directory: str | Path) -> MoEPatch:
+    """Install compressed experts on ``model`` (loaded from an export) with the vectors saved there."""
+    from safetensors.torch import load_file
+
+    from .registry import apply
+
+    directory = Path(directory)
+    config_path, vectors_path = directory / CONFIG_FILE, directory / VECTORS_FILE
+    if not config_path.exists() or not vectors_path.exists():
+        raise FileNotFoundError(f"{str(directory)!r} has no {CONFIG_FILE} / {VECTORS_FILE}: it was not exported "
+                                "from a compressed_experts run")
+    config = json.loads(config_path.read_text())
+    patch = apply(model, "compressed_experts", **config["options"])
+    state = load_file(str(vectors_path))
+    expected = compressed_expert_state(patch)
+    if set(state) != set(expected):
+        raise ValueError(f"{vectors_path}: vectors for {sorted(set(state) ^ set(expected))[:4]} do not match this "
+                         "model's MoE layers; it was saved from another model")
+    with torch.no_grad():
+        for block in patch.layers:
+            for name, params in (("input_scale", block.compressed_experts.input_scale),
+                                 ("act_scale", block.compressed_experts.act_scale),
+                                 ("up_input_scale", block.compressed_experts.up_input_scale)):
+                if params is None:
+                    continue
+                saved = state[f"layers.{block.index}.{name}"]
+                if saved.shape != expected[f"layers.{block.index}.{name}"].shape:
+                    raise ValueError(f"{vectors_path}: layers.{block.index}.{name} has shape {tuple(saved.shape)}, "
+                                     f"expected {tuple(expected[f'layers.{block.index}.{name}'].shape)}")
+                for e, param in enumerate(params):
+                    param.copy_(saved[e])
+    return patch
+
+
+# cost --------------------------------------------------------------------------------------------------
+def flop_ratio(patch: MoEPatch, k_main: int | None = None) -> float:
+    """Analytic per-token FLOP ratio of a compressed-experts step to a conventional (sft) step.
+
+    2 FLOPs per active parameter per token (forward; backward scales both alike): non-embedding,
+    non-routed parameters (attention, router, shared experts, dense MLPs, lm_head) plus k (sft) or k_main
+    (compressed) routed experts per MoE layer, plus the auxiliary-vector mixing (2 E (H + I) per layer) and
+    elementwise scalings. Attention-score FLOPs (sequence-length dependent) are left out of both.
+    """
+    top_k = patch.layers[0].top_k
+    k_main = k_main or _installed_k_main(patch) or default_k_main(top_k)
+    input_embeddings = {id(p) for p in patch.model.get_input_embeddings().parameters()}
+    routed = {id(p) for v in patch.views for p in v.experts.parameters()}
+    vectors = {id(p) for b in patch.layers if hasattr(b, "compressed_experts")
+               for p in b.compressed_experts.parameters()}
+    dense = sum(p.numel() for p in patch.model.parameters()
+                if id(p) not in input_embeddings | routed | vectors)
+    sft = 2 * dense
+    compressed = 2 * dense
+    for view in patch.views:
+        per_expert = sum(p[0].numel() for p in view.experts.parameters())
+        hidden, inter = view.config.hidden_size, expert_intermediate_size(view)
+        sft += 2 * top_k * per_expert
+        compressed += 2 * k_main * per_expert + 2 * view.num_experts * (hidden + inter) + k_main * (hidden + inter)
+    return compressed / sft
+
+
+def _installed_k_main(patch: MoEPatch) -> int | None:
+    mixer = patch.layers[0].mixer
+    return mixer.k_main if isinstance(mixer, CompressedExpertsMixture) else None

@@ -1,0 +1,158 @@
+"""ESFT-Gate / ESFT-Token as a LightningModule: the expert selection is made at fit start.
+
+The selection comes from (first match wins): ``options.experts`` (explicit ids), ``selection_file`` (the
+``experts`` of a JSON written by a previous run or the public ESFT ``expert_cfg.json``), ``scores_file``
+(re-select from saved scores with this run's ``score``/``p``/``normalize``), or a routing-statistics pass
+over the first ``score_batches`` batches of the train loader at fit start (all-reduced across ranks).
+Scores and selection are written to ``<run dir>/esft_selection.json`` and stored in checkpoints; a resumed
+run must arrive at the same selection.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..plain import to_plain
+from .base import MoELightningModule
+from .esft import (
+    AVERAGES,
+    SCORES,
+    esft_select,
+    esft_statistics,
+    load_selection,
+    normalize_selection,
+    save_selection,
+    select_experts,
+)
+
+log = logging.getLogger(__name__)
+
+ARTIFACT = "esft_selection.json"
+CHECKPOINT_KEY = "moe_lab_esft"
+
+
+class ESFTLightningModule(MoELightningModule):
+    """ESFT fine-tuning. ``score``: "token" (ESFT-Token) or "gate" (ESFT-Gate); ``p``: cumulative-score
+    threshold; ``score_batches``: train batches scored at fit start; ``average``/``normalize``: see
+    :func:`~moe_lab.methods.esft.esft_scores` / :func:`~moe_lab.methods.esft.esft_select`. ``options``
+    are :func:`~moe_lab.methods.esft.install_esft`'s (``train_*`` flags, optional ``experts``)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        score: str = "token",
+        p: float = 0.2,
+        score_batches: int = 16,
+        selection_file: str | None = None,
+        scores_file: str | None = None,
+        normalize: bool = False,
+        average: str = "sequence",
+        method: str = "esft",
+        options: dict | None = None,
+        **kwargs,
+    ):
+        if method != "esft":
+            raise ValueError(f"ESFTLightningModule runs method 'esft', got method={method!r}")
+        if score not in SCORES:
+            raise ValueError(f"method.score={score!r} is not one of {SCORES}")
+        if average not in AVERAGES:
+            raise ValueError(f"method.average={average!r} is not one of {AVERAGES}")
+        if not p > 0:
+            raise ValueError(f"method.p={p!r} must be > 0")
+        if int(score_batches) < 1:
+            raise ValueError(f"method.score_batches={score_batches!r} must be >= 1")
+        options = dict(to_plain(options) or {})
+        explicit = options.pop("experts", None)
+        sources = [name for name, v in (("options.experts", explicit), ("selection_file", selection_file),
+                                        ("scores_file", scores_file)) if v is not None]
+        if len(sources) > 1:
+            raise ValueError(f"ESFT selection given twice ({' and '.join(sources)}): keep one")
+        super().__init__(model, method="esft", options={**options, "experts": {}}, **kwargs)
+        self.esft_config = {"score": score, "p": float(p), "score_batches": int(score_batches),
+                            "normalize": bool(normalize), "average": average,
+                            "selection_file": selection_file, "scores_file": scores_file}
+        self.hparams["esft"] = dict(self.esft_config)
+        self.esft_scores: dict | None = None
+        self.esft_info: dict = {}
+        self.selection: dict[int, list[int]] | None = None
+        if explicit is not None:
+            self._install(normalize_selection(explicit), source="options.experts")
+        elif selection_file is not None:
+            loaded = load_selection(selection_file)
+            if "experts" not in loaded:
+                raise ValueError(f"selection_file={selection_file!r} has scores but no 'experts': pass it as "
+                                 "scores_file to select from its scores")
+            self.esft_scores = loaded.get("scores")
+            self._install(loaded["experts"], source=f"selection_file={selection_file}")
+        elif scores_file is not None:
+            loaded = load_selection(scores_file)
+            if "scores" not in loaded:
+                raise ValueError(f"scores_file={scores_file!r} has no 'scores'")
+            self.esft_scores = loaded["scores"]
+            self._install(self._select(self.esft_scores), source=f"scores_file={scores_file}")
+
+    # selection ----------------------------------------------------------------------------------
+    def _select(self, scores) -> dict[int, list[int]]:
+        c = self.esft_config
+        return esft_select(scores, c["p"], score=c["score"], normalize=c["normalize"])
+
+    def _install(self, selection: dict[int, list[int]], source: str) -> None:
+        self.selection = select_experts(self.patch, selection)
+        self.esft_info["source"] = source
+        self.hparams["options"]["experts"] = {int(k): list(v) for k, v in self.selection.items()}
+        total = sum(len(v) for v in self.selection.values())
+        log.info("ESFT: training %d routed experts over %d MoE layers (%s)", total, len(self.selection), source)
+
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.selection is None:
+            self.esft_scores = self._score_training_data()
+            self._install(self._select(self.esft_scores), source=f"{self.esft_config['score_batches']} train batches")
+        directory = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective: all ranks
+        if self.trainer.is_global_zero:
+            self._write_artifact(directory)
+
+    def _score_training_data(self) -> dict:
+        trainer = self.trainer
+        strategy = trainer.strategy
+        if any(name in type(strategy).__name__ for name in ("FSDP", "DeepSpeed")):
+            raise ValueError(f"ESFT cannot score the training data under {type(strategy).__name__} (the model is "
+                             "sharded): compute the selection first (moe_lab.esft_scores / a single-device run) "
+                             "and pass method.selection_file=<esft_selection.json>")
+        loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else \
+            trainer.fit_loop._data_source.dataloader()
+        self.model.to(strategy.root_device)
+        with strategy.precision_plugin.forward_context():
+            stats = esft_statistics(self.model, loader, max_batches=self.esft_config["score_batches"])
+        if trainer.world_size > 1:
+            stats.unpack(strategy.reduce(stats.packed().to(strategy.root_device), reduce_op="sum"))
+        self.esft_info.update({"sequences": stats.sequences, "tokens": stats.tokens})
+        return stats.scores(self.esft_config["average"])
+
+    def _write_artifact(self, directory: Path) -> None:
+        path = save_selection(directory / ARTIFACT, self.selection, self.esft_scores, method="esft",
+                              **{k: v for k, v in self.esft_config.items() if v is not None}, **self.esft_info)
+        self.esft_info["artifact"] = str(path)
+
+    # checkpoints --------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "experts": {int(k): list(v) for k, v in (self.selection or {}).items()},
+            "config": dict(self.esft_config),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        stored = checkpoint.get(CHECKPOINT_KEY)
+        if stored is None:
+            raise ValueError("this checkpoint was not written by an ESFT run (no ESFT selection in it)")
+        stored_selection = normalize_selection(stored["experts"])
+        if self.selection is None:
+            self._install(stored_selection, source="checkpoint")
+        elif stored_selection != self.selection:
+            raise ValueError(
+                "the ESFT selection of this run differs from the one in the checkpoint being resumed: pass "
+                "method.selection_file=<the original run's esft_selection.json> to resume with its selection")

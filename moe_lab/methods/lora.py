@@ -1,0 +1,146 @@
+"""LoRA adapters as an option of every method: ``moe_lab.apply(model, method, lora={...})``.
+
+Packed expert tensors ([E, d_out, d_in], or GPT-OSS's [E, d_in, d_out]) get one low-rank pair per
+expert through a weight parametrization ``W_e + (alpha / rank) * B_e @ A_e`` (so every mixer, including
+DenseMixer's and ESFT's slices, sees the adapted experts). ``nn.Linear`` targets (attention, shared
+experts, dense MLPs) get the usual activation-space adapter ``W x + (alpha / rank) * B A dropout(x)``.
+Input dropout cannot be factored out of a weight parametrization, so ``dropout > 0`` is applied to the
+linear targets only (and rejected when only packed experts are targeted). B starts at zero, so the
+adapted model equals the base model at step 0. Base weights are frozen; the router stays frozen or
+trains full-rank beside the adapters (``train_router``); parameters a method adds (e.g. Compressed
+Experts' vectors) keep training. :func:`merged_state_dict` gives the merged weights for export.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..moe.patch import MoEPatch, _slice_grad_mask
+
+TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
+_ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                      "kv_b_proj")
+
+
+class PackedLoRA(nn.Module):
+    """Parametrization of a packed expert tensor [E, m, n]: ``W + scale * B @ A`` with B [E, m, r] = 0."""
+
+    def __init__(self, shape: torch.Size, rank: int, scale: float, dtype, device):
+        super().__init__()
+        experts, m, n = shape
+        self.scale = scale
+        self.lora_A = nn.Parameter(torch.empty(experts, rank, n, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(experts, m, rank, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(self.lora_A.view(-1, n), a=math.sqrt(5))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.scale * torch.bmm(self.lora_B, self.lora_A)
+
+
+class LinearLoRA(nn.Module):
+    """Adapter of one ``nn.Linear``, added to its output by a forward hook."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scale: float, dropout: float):
+        super().__init__()
+        w = linear.weight
+        self.scale = scale
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, dtype=w.dtype, device=w.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def delta(self) -> torch.Tensor:
+        return self.scale * self.lora_B @ self.lora_A
+
+    def hook(self, module, args, output):
+        x = self.dropout(args[0])
+        return output + self.scale * ((x @ self.lora_A.t()) @ self.lora_B.t())
+
+
+def add_lora(
+    patch: MoEPatch,
+    base_parameters: set[int],
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    targets: list[str] | tuple[str, ...] = ("experts",),
+    train_router: bool = False,
+) -> None:
+    """Freeze the base weights (ids in ``base_parameters``) and attach adapters to ``targets``."""
+    targets = list(targets)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown or not targets:
+        raise ValueError(f"lora.targets={targets}: choose from {', '.join(TARGETS)}")
+    if rank < 1:
+        raise ValueError(f"lora.rank must be >= 1, got {rank}")
+    if dropout and targets == ["experts"]:
+        raise ValueError("lora.dropout > 0 cannot apply to packed experts (the input cannot be factored out of "
+                         "a weight parametrization): set lora.dropout=0 or add linear targets")
+    scale = alpha / rank
+    for p in patch.model.parameters():
+        if id(p) in base_parameters:
+            p.requires_grad_(False)
+    if train_router:
+        for view in patch.views:
+            for p in view.router.parameters():
+                p.requires_grad_(True)
+    patch.lora_modules = []
+    if "experts" in targets:
+        for view in patch.views:
+            for name, param in list(view.experts.named_parameters(recurse=False)):
+                if param.dim() != 3:
+                    continue  # GPT-OSS expert biases stay frozen
+                mask = next((m for q, m in patch.expert_slice_masks.values() if q is param), None)
+                lora = PackedLoRA(param.shape, rank, scale, param.dtype, param.device)
+                parametrize.register_parametrization(view.experts, name, lora, unsafe=True)
+                if mask is not None:  # ESFT: adapters only on the selected experts
+                    for i, p in enumerate((lora.lora_A, lora.lora_B)):
+                        p.register_hook(_slice_grad_mask(mask))
+                        patch.expert_slice_masks[f"{view.name}.experts.{name}.lora{i}"] = (p, mask)
+    for module in _linear_targets(patch, targets):
+        lora = LinearLoRA(module, rank, scale, dropout)
+        module.add_module("lora", lora)
+        module.register_forward_hook(lora.hook)
+        patch.lora_modules.append(module)
+    patch.export_state_dict = lambda: merged_state_dict(patch)
+
+
+def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:
+    chosen: list[nn.Linear] = []
+    moe_blocks = {view.name for view in patch.views}
+    for name, module in patch.model.named_modules():
+        if not isinstance(module, nn.Linear) or name.endswith("lm_head"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        in_shared = any(name.startswith(f"{b}.{a}.") for b in moe_blocks
+                        for a in (patch.spec.shared_attr, patch.spec.shared_gate_attr) if a)
+        in_moe = any(name.startswith(f"{b}.") for b in moe_blocks)
+        if ("attention" in targets and ".self_attn." in f".{name}" and leaf in _ATTENTION_LINEARS) \
+                or ("shared_experts" in targets and in_shared) \
+                or ("dense_mlp" in targets and ".mlp." in f".{name}." and not in_moe):
+            chosen.append(module)
+    return chosen
+
+
+def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
+    """The HF model's state dict with every adapter merged into its base weight (vanilla key names)."""
+    merged = {}
+    for key, value in patch.model.state_dict().items():
+        if ".lora." in key or "lora_A" in key or "lora_B" in key:
+            continue
+        if ".parametrizations." in key:
+            owner, _, rest = key.partition(".parametrizations.")
+            name = rest.split(".", 1)[0]
+            if not rest.endswith(".original"):
+                continue
+            module = patch.model.get_submodule(owner)
+            key, value = f"{owner}.{name}", getattr(module, name)
+        merged[key] = value.detach().clone()
+    for module in getattr(patch, "lora_modules", []):
+        name = next(n for n, m in patch.model.named_modules() if m is module)
+        merged[f"{name}.weight"] = (module.weight + module.lora.delta()).detach().clone()
+    return merged

@@ -1,0 +1,105 @@
+"""LoRA on packed experts and linear targets: identity at init, only adapters train, merged export is
+vanilla HF and reproduces the adapted model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import moe_lab
+from tests.conftest import build_tiny, random_batch
+
+ALL_TARGETS = ["experts", "shared_experts", "attention", "dense_mlp"]
+
+
+def _train(model, steps=4, lr=1e-2):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(**random_batch(seed=step % 2)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_lora_identity_at_init_trains_adapters_only_and_merges(family, tmp_path):
+    base = build_tiny(family).train()
+    model = copy.deepcopy(base)
+    patch = moe_lab.apply(model, "sft", lora={"rank": 4, "alpha": 8, "targets": ALL_TARGETS})
+    batch = random_batch()
+    torch.manual_seed(0)
+    ref = base(**batch).logits
+    torch.manual_seed(0)
+    assert torch.equal(model(**batch).logits, ref), "B = 0: the adapted model is the base model at init"
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable), sorted(trainable)[:5]
+    kinds = {n.split("lora_")[0].rsplit(".", 3)[-3] for n in trainable}
+    assert any("experts" in n for n in trainable) and any("proj.lora" in n for n in trainable), kinds
+    frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    _train(model)
+    with patch.removed():
+        names = dict(model.named_parameters())
+    for n, before in frozen_before.items():
+        for packed in ("gate_up_proj", "down_proj"):
+            if n.endswith(f"experts.{packed}"):
+                n = n.replace(f".{packed}", f".parametrizations.{packed}.original")
+        assert torch.equal(names[n], before), f"base weight {n} changed"
+    model.eval()
+    with torch.no_grad():
+        adapted = model(**batch).logits
+    out = patch.export(tmp_path / "export")
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        merged = vanilla(**batch).logits
+    assert not torch.allclose(merged, base.eval()(**batch).logits), "training changed the adapters"
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_train_router_and_method_combination():
+    model = build_tiny("olmoe").train()
+    patch = moe_lab.apply(model, "densemixer", lora={"rank": 2, "targets": ["experts"], "train_router": True})
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if "lora_" not in n} == {f"model.layers.{i}.mlp.gate.weight"
+                                                         for i in (layer.index for layer in patch.layers)}
+    losses = _train(model, steps=10)
+    assert losses[-1] < losses[0]
+
+
+def test_lora_condenser_keeps_its_bias_and_loss_falls():
+    model = build_tiny("qwen3_moe").train()
+    patch = moe_lab.apply(model, "condenser", n=0, gamma=1e-2, lora={"rank": 4, "targets": ["experts"]})
+    losses = _train(model, steps=10)
+    patch.update_biases()
+    assert losses[-1] < losses[0] and patch.layers[0].bias.abs().sum() > 0
+
+
+def test_lora_bad_options():
+    with pytest.raises(ValueError, match="targets"):
+        moe_lab.apply(build_tiny("olmoe"), "sft", lora={"targets": ["mlp"]})
+    with pytest.raises(ValueError, match="dropout"):
+        moe_lab.apply(build_tiny("olmoe"), "sft", lora={"dropout": 0.1, "targets": ["experts"]})
+    with pytest.raises(TypeError, match="rnk"):
+        moe_lab.apply(build_tiny("olmoe"), "sft", lora={"rnk": 4})
+
+
+def test_lora_dropout_on_linear_targets_only_in_training():
+    model = build_tiny("olmoe")
+    moe_lab.apply(model, "sft", lora={"rank": 2, "dropout": 0.5, "targets": ["attention"]})
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p)
+    batch = random_batch()
+    model.eval()
+    a, b = model(**batch).logits, model(**batch).logits
+    assert torch.equal(a, b)
+    model.train()
+    torch.manual_seed(1)
+    c = model(**batch).logits
+    assert not torch.allclose(a, c)
