@@ -1,0 +1,162 @@
+"""Exact mid-epoch resume: a run stopped at step k and resumed equals an uninterrupted run, weight for weight."""
+
+import itertools
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from moe_lab.data.datamodule import ListDataset, SFTDataModule
+from moe_lab.data.resumable import ResumableDataLoader, ResumableSampler
+from moe_lab.data.tokenizer import build_byte_tokenizer
+from moe_lab.methods.base import MoELightningModule
+from tests.conftest import build_tiny
+
+N_TRAIN, BATCH = 10, 4  # 3 batches per epoch (4, 4, 2): 6 steps = 2 epochs
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"{i} + {i + 2} = ?"},
+                          {"role": "assistant", "content": f"{2 * i + 2}"}]} for i in range(N_TRAIN)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _datamodule(chat_file, cls=SFTDataModule):
+    return cls(source="chat", path=chat_file, val_fraction=0.0, max_length=64, batch_size=BATCH, seed=0,
+               tokenizer=build_byte_tokenizer())
+
+
+def _fit(datamodule, ckpt_dir=None, ckpt_path=None, save_every=1, **limits):
+    L.seed_everything(0)
+    module = MoELightningModule(build_tiny("olmoe"), "sft", optim={"lr": 1e-2})
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=save_every,
+                                 save_top_k=-1)] \
+        if ckpt_dir else []
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=ckpt_dir,
+                        **{"max_steps": 6, **limits})
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    assert trainer.global_step == 6
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight(chat_file, tmp_path_factory):
+    """One uninterrupted 6-step run that also writes a checkpoint after every step."""
+    ckpt_dir = tmp_path_factory.mktemp("ckpt")
+    return _fit(_datamodule(chat_file), ckpt_dir=str(ckpt_dir)), ckpt_dir
+
+
+@pytest.mark.parametrize("stop", [2, 3, 4], ids=["mid_epoch0", "epoch_boundary", "mid_epoch1"])
+def test_resume_equals_uninterrupted_run(chat_file, straight, stop):
+    weights, ckpt_dir = straight
+    ckpt = torch.load(ckpt_dir / f"step={stop}.ckpt", weights_only=True)
+    epoch, batches = divmod(stop, 3)
+    saved = {"epoch": epoch if batches else epoch - 1, "batches": batches or 3}
+    assert ckpt["SFTDataModule"] == {"train_loader": saved}
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [saved]
+    resumed = _fit(_datamodule(chat_file), ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"))
+    assert _max_diff(resumed, weights) == 0.0
+
+
+def test_resume_when_configure_optimizers_builds_the_loader_first(chat_file, tmp_path):
+    """max_epochs set: estimated_stepping_batches builds the train loader before Lightning restores loop
+    states (Lightning #20550); the datamodule's own state still puts the loader in place."""
+    limits = {"max_steps": -1, "max_epochs": 2}
+    weights = _fit(_datamodule(chat_file), ckpt_dir=str(tmp_path), save_every=4, **limits)
+    resumed = _fit(_datamodule(chat_file), ckpt_path=str(tmp_path / "step=4.ckpt"), **limits)
+    assert _max_diff(resumed, weights) == 0.0
+
+
+class _PlainLoaderDataModule(SFTDataModule):
+    """The loader before the fix: a shuffled DataLoader with no state (restarts its epoch on resume)."""
+
+    def train_dataloader(self):
+        from moe_lab.data.collate import pad_collate
+
+        return DataLoader(ListDataset(self.examples["train"]), batch_size=self.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.seed),
+                          collate_fn=lambda b: pad_collate(b, pad_id=0))
+
+
+def test_plain_loader_resume_differs(chat_file, tmp_path):
+    """Control: without a resumable loader the same check fails (so the test above can fail)."""
+    weights = _fit(_datamodule(chat_file, _PlainLoaderDataModule), ckpt_dir=str(tmp_path), save_every=4)
+    resumed = _fit(_datamodule(chat_file, _PlainLoaderDataModule), ckpt_path=str(tmp_path / "step=4.ckpt"))
+    assert _max_diff(resumed, weights) > 1e-4
+
+
+def _batches(loader, n=None):
+    return [batch.tolist() for batch in itertools.islice(loader, n)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_state_round_trip_across_epochs(num_workers):
+    data = ListDataset(list(range(23)))
+
+    def make():
+        return ResumableDataLoader(data, batch_size=5, num_workers=num_workers,
+                                   sampler=ResumableSampler(data, shuffle=True, seed=7))
+
+    ref = make()
+    epochs = []
+    for epoch in range(3):
+        ref.sampler.set_epoch(epoch)
+        epochs.append(_batches(ref))
+    assert epochs[0] != epochs[1] and all(sorted(x for b in e for x in b) == list(range(23)) for e in epochs)
+    for epoch, stop in [(0, 2), (1, 4), (2, 1)]:
+        first = make()
+        first.sampler.set_epoch(epoch)
+        assert _batches(first, stop) == epochs[epoch][:stop]
+        state = first.state_dict()
+        assert state == {"epoch": epoch, "batches": stop}
+        second = make()
+        second.load_state_dict(state)
+        assert second.state_dict() == state  # a checkpoint right after resuming keeps the position
+        assert _batches(second) == epochs[epoch][stop:]
+        assert second.state_dict() == {"epoch": epoch, "batches": 5}
+        second.sampler.set_epoch(epoch + 1)  # the next epoch starts from its beginning
+        assert _batches(second) == (epochs[epoch + 1] if epoch + 1 < 3 else _batches(_fresh(make, epoch + 1)))
+
+
+def _fresh(make, epoch):
+    loader = make()
+    loader.sampler.set_epoch(epoch)
+    return loader
+
+
+def test_loader_without_resumable_sampler_drops_batches():
+    """Iterable datasets have no sampler to skip in: the loader draws and drops the consumed batches."""
+
+    class Counting(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(12))
+
+    loader = ResumableDataLoader(Counting(), batch_size=3)
+    assert _batches(loader, 2) == [[0, 1, 2], [3, 4, 5]]
+    again = ResumableDataLoader(Counting(), batch_size=3)
+    again.load_state_dict(loader.state_dict())
+    assert _batches(again) == [[6, 7, 8], [9, 10, 11]]
+    assert _batches(again) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # next epoch: from the start
+    with pytest.raises(ValueError, match="epoch"):
+        again.load_state_dict({"batches": 1})
+
+
+def test_sampler_shards_like_distributed_sampler():
+    data = ListDataset(list(range(11)))
+    shards = [list(ResumableSampler(data, num_replicas=2, rank=r, seed=3)) for r in range(2)]
+    reference = [list(torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, seed=3)) for r in range(2)]
+    assert shards == reference and len(shards[0]) == len(shards[1]) == 6
+    assert set(shards[0]) | set(shards[1]) == set(range(11))
