@@ -10,11 +10,14 @@ for perplexity, or a directory written by ``datasets.save_to_disk``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from .choices import hellaswag_row
 
@@ -194,18 +197,36 @@ def _read_local(path: Path) -> list[dict]:
                      "save_to_disk directory)")
 
 
+@functools.lru_cache(maxsize=1)
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (a 3 s connection test), or None when it may be (or when the
+    ``HF_HUB_OFFLINE`` cache or a proxy decides). Spares the hub client's minute of retries offline."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "TRUE", "YES", "ON"):
+        return None
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as err:
+        return f"{host} is unreachable: {err}; if the set is in the local HF cache, set HF_HUB_OFFLINE=1"
+    return None
+
+
 def _read_hub(spec: EvalSet) -> list[dict]:
+    hint = (f"Download it where there is internet and set eval.paths.{spec.name}=/local/path "
+            "(.json/.jsonl/.parquet file or a save_to_disk directory).")
+    need = f"evaluation set {spec.name!r} needs {spec.hub!r} ({spec.hub_config or 'default'} config, split " \
+           f"{spec.split!r}) from the Hugging Face hub"
+    reason = _hub_unreachable()
+    if reason:
+        raise EvalSetUnavailable(f"{need}, and {reason}. {hint}")
     import datasets
 
     try:
         return datasets.load_dataset(spec.hub, spec.hub_config, split=spec.split).to_list()
     except Exception as err:  # noqa: BLE001 (offline / missing: errors come from several libraries)
-        raise EvalSetUnavailable(
-            f"evaluation set {spec.name!r} needs {spec.hub!r} ({spec.hub_config or 'default'} config, split "
-            f"{spec.split!r}) from the Hugging Face hub, which could not be read ({err.__class__.__name__}). "
-            f"Download it where there is internet and set eval.paths.{spec.name}=/local/path "
-            "(.json/.jsonl/.parquet file or a save_to_disk directory)."
-        ) from None
+        raise EvalSetUnavailable(f"{need}, which could not be read ({err.__class__.__name__}). {hint}") from None
 
 
 def _normalize(spec: EvalSet, rows: list[dict], seed: int) -> list[dict]:
