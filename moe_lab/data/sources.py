@@ -74,11 +74,14 @@ def where(source: str, i: int) -> str:
 
 
 def _hub_error(path_or_id: str, name: str | None, split: str, err: Exception, example: str) -> OSError:
-    what = path_or_id if name is None else f"{path_or_id} (config {name!r})"
-    place = "URL" if is_url(path_or_id) else "Hugging Face hub"
+    if is_url(path_or_id):
+        what = f"{path_or_id} from the web"
+    else:
+        config = "" if name is None else f", config {name!r}"
+        what = f"{path_or_id} ({f'split {split!r}'}{config}) from the Hugging Face hub"
     return OSError(
-        f"Could not load dataset {what}, split {split!r}, from the {place}: it is unreachable (offline?) or does "
-        f"not exist. {override_hint(example)} Original error: {type(err).__name__}: {err}"
+        f"Could not load dataset {what}: it is unreachable (offline?) or does not exist. "
+        f"{override_hint(example)} Original error: {type(err).__name__}: {err}"
     )
 
 

@@ -11,6 +11,7 @@ first ``num_blocks`` blocks) into memory once. Both train loaders are resumable 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from moe_lab.data.collate import text_ids
 from moe_lab.data.resumable import ResumableDataLoader, ResumableDataModule, ResumableSampler
-from moe_lab.data.sources import source_label, stream_rows, where
+from moe_lab.data.sources import is_local, source_label, stream_rows, where
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class TextBlockDataModule(ResumableDataModule):
     """Fixed-length token blocks from a text dataset (hub id, URL, or a local ``.txt``/``.jsonl``/``.parquet``).
 
     ``num_blocks`` counts train blocks over all data-parallel ranks (each rank gets ``num_blocks // world``);
-    ``val_split`` (with ``val_blocks``, ``None`` = all) adds a validation loader, else there is none.
+    ``val_split`` (with ``val_blocks``, ``None`` = all; read from ``val_path``, default ``path``) adds a
+    validation loader, else there is none.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class TextBlockDataModule(ResumableDataModule):
         shuffle: bool = False,
         val_split: str | None = None,
         val_blocks: int | None = None,
+        val_path: str | None = None,
         seed: int = 0,
         num_workers: int = 0,
         tokenizer: Any = None,
@@ -124,12 +127,15 @@ class TextBlockDataModule(ResumableDataModule):
         if streaming and num_workers:
             raise ValueError("A streamed text dataset is read in the main process: set dataset.num_workers=0 "
                              "(or dataset.streaming=false to use workers)")
+        if val_split and val_path is None and is_local(path) and os.path.isfile(os.path.expanduser(path)):
+            raise ValueError(f"dataset.path={path!r} is a single file, so it has no {val_split!r} split: set "
+                             "dataset.val_path=/local/validation_file (or dataset.val_split=null)")
         if streaming and shuffle:
             raise ValueError("dataset.shuffle needs dataset.streaming=false (a stream is read in order)")
         self.path, self.name, self.split, self.text_field = path, name, split, text_field
         self.block_size, self.batch_size, self.num_blocks = block_size, batch_size, num_blocks
         self.streaming, self.separator, self.shuffle = streaming, separator, shuffle
-        self.val_split, self.val_blocks, self.seed = val_split, val_blocks, seed
+        self.val_split, self.val_blocks, self.val_path, self.seed = val_split, val_blocks, val_path, seed
         self.num_workers, self.tokenizer = num_workers, tokenizer
         self.blocks: dict[str, torch.Tensor] = {}
 
@@ -137,16 +143,19 @@ class TextBlockDataModule(ResumableDataModule):
         """Set (or replace) the tokenizer; call before ``setup``."""
         self.tokenizer, self.blocks = tokenizer, {}
 
-    def _rows(self, split: str, streaming: bool) -> Iterator[dict]:
-        return stream_rows(self.path, split=split, name=self.name, streaming=streaming, example="/local/file.txt")
+    def _rows(self, split: str, streaming: bool, path: str | None = None) -> Iterator[dict]:
+        return stream_rows(path or self.path, split=split, name=self.name, streaming=streaming,
+                           example="/local/file.txt")
 
-    def read_blocks(self, split: str, limit: int | None) -> torch.Tensor:
-        """``[n, block_size]`` int64 blocks of ``split`` read in order (at most ``limit``)."""
-        documents = document_ids(self.tokenizer, self._rows(split, self.streaming), self.text_field,
-                                 self.separator, source_label(self.path))
+    def read_blocks(self, split: str, limit: int | None, path: str | None = None) -> torch.Tensor:
+        """``[n, block_size]`` int64 blocks of ``split`` (of ``path``, default ``self.path``) in order, at most
+        ``limit``."""
+        path = path or self.path
+        documents = document_ids(self.tokenizer, self._rows(split, self.streaming, path), self.text_field,
+                                 self.separator, source_label(path))
         blocks = list(token_blocks(documents, self.block_size, limit))
         if not blocks:
-            raise ValueError(f"{source_label(self.path)} (split {split!r}) has fewer than block_size="
+            raise ValueError(f"{source_label(path)} (split {split!r}) has fewer than block_size="
                              f"{self.block_size} tokens: lower dataset.block_size")
         return torch.tensor(blocks, dtype=torch.long)
 
@@ -158,7 +167,7 @@ class TextBlockDataModule(ResumableDataModule):
             self.blocks["train"] = self.read_blocks(self.split, self.num_blocks)
             log.info("train: %d blocks of %d tokens from %s", len(self.blocks["train"]), self.block_size, self.path)
         if self.val_split and "val" not in self.blocks:
-            self.blocks["val"] = self.read_blocks(self.val_split, self.val_blocks)
+            self.blocks["val"] = self.read_blocks(self.val_split, self.val_blocks, self.val_path)
 
     def train_dataloader(self) -> ResumableDataLoader:
         """Blocks in order (or shuffled by ``seed + epoch``), this rank's share; resumable mid-epoch."""
