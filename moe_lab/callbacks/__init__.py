@@ -2,5 +2,7 @@
 
 from .expert_load import ExpertLoadCallback
 from .grad_norm import GradNormCallback
+from .router_bias import RouterBiasCallback
+from .routing_drift import RoutingDriftCallback
 
-__all__ = ["ExpertLoadCallback", "GradNormCallback"]
+__all__ = ["ExpertLoadCallback", "GradNormCallback", "RouterBiasCallback", "RoutingDriftCallback"]
