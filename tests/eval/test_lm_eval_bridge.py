@@ -1,0 +1,91 @@
+"""lm-eval bridge: runs offline on an exported tiny checkpoint and on a model in memory, and agrees with
+moe-lab's own scoring (continuation log-likelihoods, batched generation) item by item."""
+
+from __future__ import annotations
+
+import pytest
+
+import moe_lab
+from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from moe_lab.eval.generation import generate
+from moe_lab.eval.likelihood import score_choices
+from moe_lab.eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics, local_tasks
+from moe_lab.eval.lm_eval_tasks.llm_adapters import load_choice_docs, load_generation_docs
+from tests.conftest import SHARED_DATA, build_tiny
+
+LIMIT = 5
+MC_TASKS = {"boolq": "boolq", "social_iqa": "siqa", "winogrande": "winogrande"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    # vocab = the byte tokenizer's, so lm-eval's HF generate cannot pick ids that decode to nothing; 2048
+    # positions, so lm-eval does not left-truncate the longer GSM8K prompts (it keeps max_length - max_gen_toks)
+    return build_tiny("olmoe", vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=2048).eval()
+
+
+def test_local_tasks_cover_the_llm_adapters_files():
+    assert local_tasks() == sorted([
+        "boolq", "piqa", "social_iqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa",
+        "gsm8k", "svamp", "multiarith", "addsub", "aqua", "singleeq", "mawps",
+    ])
+
+
+def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
+    moe_lab.apply(model).export(tmp_path / "export", tok)
+    result = evaluate_with_lm_eval(tmp_path / "export", None, [*MC_TASKS, "gsm8k"], limit=LIMIT, batch_size=4,
+                                   data_dir=SHARED_DATA, log_samples=True, gen_kwargs={"max_gen_toks": 16})
+    metrics = lm_eval_metrics(result)
+    assert set(metrics) == {*MC_TASKS, "gsm8k"}
+    for task, eval_set in MC_TASKS.items():
+        docs = load_choice_docs(eval_set, SHARED_DATA)["test"].select(range(LIMIT))
+        ours = score_choices(model, tok, docs["context"], docs["choices"])
+        gold = docs["gold"]
+        assert metrics[task]["acc"] == pytest.approx(sum(o["pred"] == g for o, g in zip(ours, gold)) / LIMIT)
+        assert metrics[task]["acc_norm"] == pytest.approx(
+            sum(o["pred_norm"] == g for o, g in zip(ours, gold)) / LIMIT)
+        for sample, o in zip(sorted(result["samples"][task], key=lambda s: s["doc_id"]), ours):
+            assert [r[0][0] for r in sample["resps"]] == pytest.approx(o["loglik"], rel=1e-4, abs=1e-4)
+    # Generation: lm-eval's (HF generate, its stop handling) equals moe-lab's greedy batched generation.
+    docs = load_generation_docs("gsm8k", SHARED_DATA)["test"].select(range(LIMIT))
+    until = result["configs"]["gsm8k"]["generation_kwargs"]["until"]
+    ours = generate(model, tok, docs["prompt"], max_new_tokens=16, stop=until)
+    theirs = [s["resps"][0][0] for s in sorted(result["samples"]["gsm8k"], key=lambda s: s["doc_id"])]
+    assert theirs == [o[0] for o in ours]
+    assert metrics["gsm8k"]["acc"] == 0.0  # a random model does not solve GSM8K
+
+
+def test_in_memory_patched_model_runs_the_commonsense_tag(tok):
+    model = build_tiny("qwen2_moe")
+    moe_lab.apply(model)
+    result = evaluate_with_lm_eval(model, tok, ["llm_adapters_commonsense"], limit=2, batch_size=8,
+                                   data_dir=SHARED_DATA)
+    metrics = lm_eval_metrics(result)
+    assert {"boolq", "piqa", "social_iqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"} <= set(metrics)
+    assert all(0.0 <= metrics[t]["acc"] <= 1.0 for t in local_tasks() if t in metrics)
+    assert model.training  # mode restored
+
+
+def test_bad_calls_are_named(model, tok, tmp_path):
+    with pytest.raises(ValueError, match="unknown lm-eval task.*hub_tasks=True"):
+        evaluate_with_lm_eval(model, tok, ["hellaswag"], data_dir=SHARED_DATA)
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        evaluate_with_lm_eval(model, None, ["boolq"], data_dir=SHARED_DATA)
+    with pytest.raises(FileNotFoundError, match="data_dir"):
+        evaluate_with_lm_eval(model, tok, ["boolq"], data_dir=tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="checkpoint directory"):
+        evaluate_with_lm_eval(tmp_path / "nowhere", None, ["boolq"], data_dir=SHARED_DATA)
+
+
+def test_a_row_without_answer_is_named(tmp_path):
+    (tmp_path / "boolq.test.json").write_text(
+        '[{"instruction": "q1 Answer format: true/false", "input": "", "output": "", "answer": "true"},\n'
+        ' {"instruction": "q2 Answer format: true/false", "input": "", "output": ""}]'
+    )
+    with pytest.raises(ValueError, match=r"boolq.test.json: row 1 \(line 2\).*answer"):
+        load_choice_docs("boolq", tmp_path)
