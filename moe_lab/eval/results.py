@@ -44,17 +44,22 @@ class ResultsTable:
     def n_averaged(self) -> int:
         return sum(c in self.averaged for c in self.columns)
 
+    def ordered(self) -> list[str]:
+        """Value columns in display order: the averaged ones, ``Avg.`` (if any are averaged), then the others."""
+        main = [c for c in self.columns if c in self.averaged]
+        return [*main, *([AVERAGE] if main else []), *(c for c in self.columns if c not in self.averaged)]
+
     def header(self) -> list[str]:
-        return ["model", "method", *self.columns, AVERAGE]
+        return ["model", "method", *self.ordered()]
 
     def records(self, digits: int | None = 2) -> list[list]:
-        """Rows of values (rounded to ``digits``; ``None`` where there is no value)."""
+        """Rows of values in ``header()`` order (rounded to ``digits``; ``None`` where there is no value)."""
         rnd = (lambda v: v) if digits is None else (lambda v: round(v, digits))
         out = []
         for key, row in self.cells.items():
             avg, _ = self.average(key)
-            values = [rnd(row[c]) if c in row else None for c in self.columns]
-            out.append([*key, *values, None if avg is None else rnd(avg)])
+            values = {**row, AVERAGE: avg}
+            out.append([*key, *(None if values.get(c) is None else rnd(values[c]) for c in self.ordered())])
         return out
 
     def write_csv(self, path) -> None:
@@ -70,13 +75,14 @@ class ResultsTable:
         lines = ["| " + " | ".join(self.header()) + " |", "|" + "---|" * len(self.header())]
         partial = False
         for key, record in zip(self.cells, self.records(digits=None)):
-            cells = [key[0], key[1]]
-            for column, value in zip(self.columns, record[2:-1]):
-                cells.append("–" if value is None else f"{value:.{2 if column not in self.averaged else digits}f}")
             avg, n = self.average(key)
             mark = "*" if avg is not None and n < self.n_averaged else ""
             partial |= bool(mark)
-            cells.append("–" if avg is None else f"{avg:.{digits}f}{mark}")
+            cells = [key[0], key[1]]
+            for column, value in zip(self.ordered(), record[2:]):
+                places = digits if column in self.averaged or column == AVERAGE else 2
+                shown = "–" if value is None else f"{value:.{places}f}"
+                cells.append(shown + mark if column == AVERAGE and value is not None else shown)
             lines.append("| " + " | ".join(cells) + " |")
         if partial:
             lines.append("")

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -103,6 +104,17 @@ def _load_lightning_checkpoint(path: Path, model_cfg: dict):
 # Predictions written incrementally, resumed by id
 
 
+def _flatten(settings: dict, prefix: str = "") -> dict:
+    """``{"generation": {"max_new_tokens": 8}}`` -> ``{"generation.max_new_tokens": 8}``."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class PredictionStore:
     """``predictions/<set><suffix>.jsonl`` written a batch at a time, with the settings that made it in a
     ``.meta.json`` beside it; a re-run resumes from the ids already there."""
@@ -113,10 +125,10 @@ class PredictionStore:
         self.meta = directory / f"{name}.meta.json"
         self.settings = json.loads(json.dumps(settings))  # plain JSON types, comparable with the file
         if self.meta.is_file():
-            before = json.loads(self.meta.read_text())
-            changed = sorted(k for k in set(before) | set(self.settings) if before.get(k) != self.settings.get(k))
+            before, now = _flatten(json.loads(self.meta.read_text())), _flatten(self.settings)
+            changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             if changed:
-                detail = ", ".join(f"{k}: {before.get(k)!r} -> {self.settings.get(k)!r}" for k in changed)
+                detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
                 raise ValueError(
                     f"{self.path} was written with other settings ({detail}). Evaluate into a new output "
                     "directory (hydra.run.dir=...) or delete that file to start it over."
@@ -228,7 +240,9 @@ def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settin
                     limit, limit)
         max_length = limit
     stride = min(int(cfg["stride"]), max_length)
-    text = data.text if ev.get("limit") is None else data.text[: int(ev.limit) * 1000]
+    text = data.text
+    if ev.get("limit") is not None:  # the first `limit` non-empty lines (WikiText rows are lines)
+        text = "\n".join([line for line in text.split("\n") if line.strip()][: int(ev.limit)])
     settings = {**settings, "max_length": max_length, "stride": stride, "limit": ev.get("limit")}
     cache = pred_dir / f"{data.spec.name}.ppl.json"
     if cache.is_file():
@@ -248,6 +262,45 @@ def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settin
 # The task
 
 
+def _load_sets(specs, ev, seed: int) -> tuple[list[tuple], dict[str, str]]:
+    """Read every set before the model is loaded (a missing set fails fast); ``([(spec, data)], skipped)``."""
+    paths = to_plain(ev.get("paths")) or {}
+    loaded, skipped = [], {}
+    for spec in specs:
+        try:
+            data = load_eval_set(spec, ev.get("data_dir"), paths.get(spec.name), seed=seed)
+        except (EvalSetUnavailable, FileNotFoundError) as err:
+            if ev.on_unavailable == "error":
+                raise
+            skipped[spec.name] = str(err)
+            print(f"{spec.name}: skipped ({err})", flush=True)
+            loaded.append((spec, None))
+            continue
+        loaded.append((spec, data))
+    return loaded, skipped
+
+
+def _evaluate_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settings: dict, cells: list) -> dict:
+    """One set's summary; appends its ``(column, value, averaged)`` table cells to ``cells``."""
+    spec = data.spec
+    if spec.kind == "perplexity":
+        summary = _perplexity_set(model, tokenizer, data, ev, pred_dir, settings)
+        cells.append((spec.title, summary["value"], False))
+        return summary
+    store = PredictionStore(pred_dir, spec.name, {**settings, "generation": to_plain(ev.generation)})
+    predictions = _generate_set(model, tokenizer, data, ev, store)
+    summary, per_item = score_predictions(spec, predictions, data=data, mode=ev.extraction)
+    _write_jsonl(pred_dir / f"{spec.name}.scored.jsonl", per_item)
+    cells.append((spec.title, _percent(summary["value"]), True))
+    if spec.kind == "commonsense" and ev.get("loglik"):
+        mc_store = PredictionStore(pred_dir, f"{spec.name}.mc", {**settings, "kind": "loglik"})
+        mc = score_choice_records(data, _loglik_set(model, tokenizer, data, ev, mc_store))
+        summary["loglik"] = mc
+        cells.append((f"{spec.title} acc (ll)", _percent(mc["value"]), False))
+        cells.append((f"{spec.title} acc_norm (ll)", _percent(mc["acc_norm"]), False))
+    return summary
+
+
 def evaluate(cfg: DictConfig) -> dict:
     """Evaluate on ``cfg.eval``; write predictions, results.csv/.md and summary.json; return flat metrics."""
     ev = cfg.get("eval")
@@ -255,57 +308,35 @@ def evaluate(cfg: DictConfig) -> dict:
         raise ValueError(f"task=evaluate needs an evaluation group: eval={' | eval='.join(GROUPS)}")
     if ev.on_unavailable not in ("skip", "error"):
         raise ValueError(f"eval.on_unavailable={ev.on_unavailable!r}: choose skip or error")
-    specs = resolve(list(ev.datasets))
+    start = time.time()
+    loaded, skipped = _load_sets(resolve(list(ev.datasets)), ev, int(cfg.seed))
     out = Path(cfg.paths.output_dir)
     pred_dir = out / "predictions"
     torch.manual_seed(int(cfg.seed))
-    start = time.time()
-    model, tokenizer, (model_label, method_label) = load_for_eval(cfg)
-    device = ev.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    model, tokenizer, key = load_for_eval(cfg)
+    model.to(ev.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     settings = {"checkpoint": None if cfg.task.get("checkpoint") is None else str(cfg.task.checkpoint),
-                "model": model_label, "method": method_label}
+                "model": key[0], "method": key[1]}
     table = ResultsTable()
     results: dict[str, dict] = {}
-    skipped: dict[str, str] = {}
-    paths = to_plain(ev.get("paths")) or {}
-    for spec in specs:
-        try:
-            data = load_eval_set(spec, ev.get("data_dir"), paths.get(spec.name), seed=int(cfg.seed))
-        except (EvalSetUnavailable, FileNotFoundError) as err:
-            if ev.on_unavailable == "error":
-                raise
-            skipped[spec.name] = str(err)
-            print(f"{spec.name}: skipped ({err})", flush=True)
-            table.add(model_label, method_label, spec.title, None, averaged=spec.kind != "perplexity")
+    for spec, data in loaded:
+        if data is None:
+            table.add(*key, spec.title, None, averaged=spec.kind != "perplexity")
             continue
         n_total = len(data.rows)
         if ev.get("limit") is not None:
             data = EvalData(data.spec, data.rows[: int(ev.limit)], data.source, text=data.text)
-        t0 = time.time()
-        if spec.kind == "perplexity":
-            summary = _perplexity_set(model, tokenizer, data, ev, pred_dir, settings)
-            table.add(model_label, method_label, spec.title, summary["value"], averaged=False)
-        else:
-            store = PredictionStore(pred_dir, spec.name, {**settings, "generation": to_plain(ev.generation)})
-            predictions = _generate_set(model, tokenizer, data, ev, store)
-            summary, per_item = score_predictions(spec, predictions, data=data, mode=ev.extraction)
-            _write_jsonl(pred_dir / f"{spec.name}.scored.jsonl", per_item)
-            table.add(model_label, method_label, spec.title, _percent(summary["value"]))
-            if spec.kind == "commonsense" and ev.get("loglik"):
-                mc_store = PredictionStore(pred_dir, f"{spec.name}.mc", {**settings, "kind": "loglik"})
-                mc = score_choice_records(data, _loglik_set(model, tokenizer, data, ev, mc_store))
-                summary["loglik"] = mc
-                table.add(model_label, method_label, f"{spec.title} acc (ll)", _percent(mc["value"]), False)
-                table.add(model_label, method_label, f"{spec.title} acc_norm (ll)", _percent(mc["acc_norm"]),
-                          False)
+        t0, cells = time.time(), []
+        summary = _evaluate_set(model, tokenizer, data, ev, pred_dir, settings, cells)
+        for column, value, averaged in cells:
+            table.add(*key, column, value, averaged=averaged)
         summary.update(n_total_rows=n_total, wall_time_s=round(time.time() - t0, 2))
         results[spec.name] = summary
         print(format_summary(summary) if spec.kind != "perplexity" else
               f"{spec.name}: ppl = {summary['value']:.4f} ({summary['tokens']} tokens)", flush=True)
         for problem in summary.get("bad_gold", []):
             print(f"  warning: bad gold answer, row not scored: {problem}", flush=True)
-    return _write_outputs(cfg, out, table, results, skipped, (model_label, method_label), time.time() - start)
+    return _write_outputs(cfg, out, table, results, skipped, key, time.time() - start)
 
 
 def _percent(value):
@@ -346,9 +377,11 @@ def _write_outputs(cfg, out: Path, table: ResultsTable, results, skipped, key, w
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     loggers = [instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
-    for logger in loggers:
-        logger.log_metrics(metrics, step=0)
-        logger.save()
+    with warnings.catch_warnings():  # the CSV logger shares the run directory with our outputs on purpose
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        for logger in loggers:
+            logger.log_metrics(metrics, step=0)
+            logger.save()
     table.log_wandb(loggers)
     for logger in loggers:
         logger.finalize("success")
