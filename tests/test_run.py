@@ -68,15 +68,27 @@ def test_frozen_router_on_qwen3_keeps_router_weights(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in experts)
 
 
-def test_multirun_grid_over_methods(tmp_path):
+GRID = ["sft", "frozen_router", "sft_aux", "esft_gate", "esft_token", "densemixer", "condenser",
+        "compressed_experts"]
+
+
+def test_multirun_grid_over_every_method_writes_one_summary_table(tmp_path):
     sweep = tmp_path / "sweep"
-    run_py("-m", "method=sft,frozen_router", "debug=fast", "task.trainer.max_steps=3",
+    run_py("-m", f"method={','.join(GRID)}", "debug=fast", "task.trainer.max_steps=3",
            "~callbacks.expert_load", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    runs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "config.yaml").exists())
-    assert [OmegaConf.load(r / "config.yaml").method.name for r in runs] == ["sft", "frozen_router"]
+    runs = sorted((p for p in sweep.iterdir() if p.is_dir() and (p / "config.yaml").exists()),
+                  key=lambda p: int(p.name.split("_")[0]))
+    assert [OmegaConf.load(r / "config.yaml").method.name for r in runs] == GRID
     for r in runs:
         assert json.loads((r / "summary.json").read_text())["global_step"] == 3
         assert (r / "export" / "model.safetensors").exists()
+    table = (sweep / "summary.md").read_text().splitlines()
+    assert len(table) == 2 + len(GRID)
+    rows = {line.split("|")[3].strip(): line for line in table[2:]}
+    assert set(rows) == set(GRID)
+    with open(sweep / "summary.csv") as f:
+        ratios = {row["method"]: row["step_ratio"] for row in csv.DictReader(f)}
+    assert float(ratios["sft"]) == 1.0 and all(float(v) > 0 for v in ratios.values())
 
 
 def test_ddp_on_two_cpu_processes(tmp_path):

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
 from .checkpoint_io import AtomicCheckpointIO
 
@@ -47,11 +48,13 @@ def finetune(cfg: DictConfig) -> dict:
     callbacks = _instantiate_all(cfg.callbacks)
     if not loggers:  # logger=none: nothing to report learning rates to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer = build_trainer(cfg, out, loggers, callbacks)
+    timer = StepTimerCallback()
+    trainer = build_trainer(cfg, out, loggers, [*callbacks, timer])
     start = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.task.ckpt_path)
     wall = time.time() - start
-    summary = {"wall_time_s": round(wall, 1), "global_step": trainer.global_step}
+    summary = {"wall_time_s": round(wall, 1), "global_step": trainer.global_step, "model": cfg.model.name,
+               "method": cfg.method.name, "step_time_median_s": timer.median_s}
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     if trainer.is_global_zero:
         _collect_metrics(trainer, out)

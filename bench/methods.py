@@ -1,0 +1,140 @@
+"""Per-step cost of every method relative to conventional SFT, next to its analytic FLOP ratio.
+
+One line per method: ``method=<name> step_ratio=<median step / median sft step> flop_ratio=<analytic>``.
+Bench config: OLMoE-like, hidden 256, 16 experts top-4, 4 layers, batch 8 x 256 tokens; AdamW steps of
+all methods are interleaved round-robin and medians compared, so machine noise hits all alike.
+``densemixer_naive`` runs every expert with autograd (the baseline DenseMixer must beat).
+
+Targets: densemixer <= 1.15 x its flop_ratio and below densemixer_naive; condenser <= 1.05;
+esft <= 1.0; compressed_experts (k/2 main) <= 0.85.
+
+    python bench/methods.py [--steps 10] [--threads 2] [--methods sft,densemixer,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import transformers
+
+import moe_lab
+from moe_lab.methods.densemixer import dense_weights
+from moe_lab.moe.experts import expert_forward
+
+BENCH_CONFIG = {
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "num_experts": 16, "num_experts_per_tok": 4,
+    "max_position_embeddings": 512, "norm_topk_prob": False,
+}
+BATCH, SEQ = 8, 256
+ESFT_EXPERTS = 4  # experts per layer trained by ESFT in the bench (a typical p=0.1 token selection)
+
+
+def naive_densemixer(block, x, logits, weights, indices):
+    """Every expert with autograd: sparse value, straight-through router term, wasted expert backward."""
+    out = block.experts(x, indices, weights)
+    dense = dense_weights(block.view.obj.rule, logits, indices)
+    inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
+    extra = sum(dense[:, e, None] * inactive[:, e, None] * expert_forward(block.view.obj, e, x)
+                for e in range(block.num_experts))
+    return out + (extra - extra.detach())
+
+
+def flop_ratios(cfg: dict) -> dict[str, float]:
+    """Analytic FLOPs of one step per method / SFT's (matmuls only; backward = 2 x forward, or 1 x where
+    only input gradients are needed)."""
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    e, k, vocab = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
+    attn = 2 * 4 * h * h + 2 * 2 * SEQ * h  # projections + scores/values (causal average ~ SEQ/2 x 2)
+    expert = 2 * 3 * h * i
+    router = 2 * h * e
+    head = 2 * h * vocab
+    other = layers * (attn + router) + head
+    sft = 3 * (other + layers * k * expert)
+    k_main = k // 2
+    return {
+        "sft": 1.0,
+        "frozen_router": (sft - layers * router) / sft,
+        "sft_aux": 1.0,
+        "densemixer": (sft + layers * (e - k) * expert) / sft,
+        "densemixer_naive": (sft + 3 * layers * (e - k) * expert) / sft,
+        "condenser": 1.0,
+        # frozen attention/router/most experts: their backward computes input gradients only (1 x)
+        "esft": (3 * head + layers * (2 * (attn + router) + k * expert * (2 + ESFT_EXPERTS / e))) / sft,
+        "compressed_experts": (3 * (other + layers * k_main * expert)) / sft,
+    }
+
+
+def build(method: str, base) -> torch.nn.Module:
+    model = copy.deepcopy(base).train()
+    layers = [v.index for v in moe_lab.apply(copy.deepcopy(base), "sft").views]
+    if method == "densemixer_naive":
+        patch = moe_lab.apply(model, "sft")
+        for block in patch.layers:
+            block.mixer = naive_densemixer
+    elif method == "sft_aux":
+        patch = moe_lab.apply(model, "sft")
+        patch.set_aux_loss_coef(0.01)
+    elif method == "esft":
+        patch = moe_lab.apply(model, "esft", experts={i: list(range(ESFT_EXPERTS)) for i in layers})
+    elif method == "condenser":
+        patch = moe_lab.apply(model, "condenser", n=2, experts={i: [0, 1] for i in layers})
+    else:
+        patch = moe_lab.apply(model, method)
+    model.moe_lab_patch = patch
+    return model
+
+
+def step(model, optimizer, batch) -> float:
+    start = time.perf_counter()
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.moe_lab_patch.after_optimizer_step()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", default="sft,frozen_router,sft_aux,esft,densemixer,densemixer_naive,"
+                                             "condenser,compressed_experts")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(transformers.OlmoeConfig(**BENCH_CONFIG))
+    names = ["sft", *[m for m in args.methods.split(",") if m != "sft"]]
+    available = set(moe_lab.supported_methods()) | {"sft_aux", "densemixer_naive"}
+    skipped = [m for m in names if m not in available]
+    names = [m for m in names if m in available]
+    models = {m: build(m, base) for m in names}
+    optimizers = {m: torch.optim.AdamW([p for p in models[m].parameters() if p.requires_grad], lr=1e-5)
+                  for m in names}
+    ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    times = {m: [] for m in names}
+    for rep in range(args.warmup + args.steps):
+        order = names if rep % 2 == 0 else names[::-1]
+        for m in order:
+            t = step(models[m], optimizers[m], batch)
+            if rep >= args.warmup:
+                times[m].append(t)
+    flops = flop_ratios(BENCH_CONFIG)
+    sft = statistics.median(times["sft"])
+    print(f"bench=methods config=olmoe-like(h256,E16,k4,L4) batch={BATCH}x{SEQ} steps={args.steps} "
+          f"sft_step_median_s={sft:.4f}")
+    for m in names:
+        print(f"method={m} step_ratio={statistics.median(times[m]) / sft:.3f} flop_ratio={flops[m]:.3f}")
+    for m in skipped:
+        print(f"method={m} skipped=not-installed")
+
+
+if __name__ == "__main__":
+    main()
