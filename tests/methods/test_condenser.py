@@ -202,3 +202,56 @@ def test_ddp_biases_identical_and_equal_to_one_process_on_the_global_batch(tmp_p
         patch.update_biases()
     assert torch.equal(patch.layers[0].bias, r0["bias"])
     assert patch.layers[0].forced_experts == r0["forced"]
+
+
+# --- Lightning: per-optimizer-step updates, checkpoints --------------------------------------------
+
+
+def _module():
+    from moe_lab.methods.base import MoELightningModule
+
+    return MoELightningModule(build_tiny("olmoe"), method="condenser",
+                              options={"gamma": GAMMA, "n": 1, "warmup_steps": 2}, optim={"lr": 1e-3})
+
+
+def _fit(module, max_steps, tmp_path, ckpt_path=None, accumulate=1, callbacks=()):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    batches = [random_batch(batch=2, seq=10, seed=s) for s in range(4)]
+    trainer = L.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
+                        accumulate_grad_batches=accumulate, callbacks=list(callbacks))
+    trainer.fit(module, DataLoader(batches * 4, batch_size=None), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_one_update_per_optimizer_step_with_gradient_accumulation(tmp_path):
+    module = _module()
+    _fit(module, 3, tmp_path, accumulate=2)
+    assert int(module.patch.layers[0].bias_updates) == 3
+    assert module.patch.layers[0].forced_experts, "condensers chosen after the 2-step warm-up"
+
+
+def test_resume_restores_biases_condensers_and_step(tmp_path):
+    import lightning as L
+
+    module = _module()
+    trainer = _fit(module, 3, tmp_path)
+    ckpt = tmp_path / "step3.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = [(layer.bias.clone(), layer.forced_experts) for layer in module.patch.layers]
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["step"] = trainer.global_step
+            seen["state"] = [(layer.bias.clone(), layer.forced_experts) for layer in pl_module.patch.layers]
+
+    resumed = _module()
+    assert resumed.patch.layers[0].forced_experts == []
+    _fit(resumed, 5, tmp_path, ckpt_path=str(ckpt), callbacks=[Probe()])
+    assert seen["step"] == 3
+    for (bias, forced), (bias2, forced2) in zip(saved, seen["state"]):
+        assert torch.equal(bias, bias2) and forced == forced2
+    assert int(resumed.patch.layers[0].bias_updates) == 5
