@@ -199,9 +199,11 @@ def _read_local(path: Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=1)
 def _hub_unreachable() -> str | None:
-    """Why the hub cannot be reached (a 3 s connection test), or None when it may be (or when the
-    ``HF_HUB_OFFLINE`` cache or a proxy decides). Spares the hub client's minute of retries offline."""
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "TRUE", "YES", "ON"):
+    """Why the hub cannot be reached (a 3 s connection test), or None when it may be (or when the hub
+    client is in offline mode, reading its cache, or a proxy decides). Spares the client's retries offline."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # the value the client really uses (read when it was first imported)
         return None
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
