@@ -64,7 +64,7 @@ def test_center_keeps_zero_mean():
 
 
 def test_selection_bias_changes_choice_not_weights():
-    model, patch, block, router_cls = _first_block(n=0)
+    model, _patch, block, _cls = _first_block(n=0)
     x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     block.bias[5] = 100.0  # expert 5 is chosen by every token ...
     logits, weights, indices = block.gate(x)
@@ -74,10 +74,10 @@ def test_selection_bias_changes_choice_not_weights():
 
 
 def test_logit_mode_puts_bias_inside_the_softmax():
-    model, patch, block, _ = _first_block(n=0, bias_mode="logit")
+    model, _patch, block, _ = _first_block(n=0, bias_mode="logit")
     x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     block.bias[5] = 3.0
-    logits, weights, indices = block.gate(x)
+    _logits, weights, indices = block.gate(x)
     raw = torch.nn.functional.linear(x, block.gate.weight)
     probs = torch.softmax(raw + block.bias, -1)
     torch.testing.assert_close(weights, probs.gather(1, indices))
@@ -92,7 +92,7 @@ def test_condensers_in_every_tokens_set(family, budget):
     block = patch.layers[0]
     assert block.forced_experts == [3]
     x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    logits, weights, indices = getattr(block, patch.spec.router_attr)(x)
+    _, _, indices = getattr(block, patch.spec.router_attr)(x)
     k = block.top_k
     assert indices.shape[1] == (k if budget == "replace" else k + 1)
     assert (indices == 3).sum(-1).eq(1).all(), "every token has the condenser exactly once"

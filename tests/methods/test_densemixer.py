@@ -105,9 +105,9 @@ def test_expert_gradients_equal_conventional_given_same_output_gradient(family):
     for patch in (p_conv, p_dm):
         (patch.layers[0](x) * g).sum().backward()
     a, b = dict(p_conv.layers[0].named_parameters()), dict(p_dm.layers[0].named_parameters())
-    for name in a:
+    for name, param in a.items():
         if "experts" in name:
-            assert torch.equal(a[name].grad, b[name].grad), name
+            assert torch.equal(param.grad, b[name].grad), name
     router = p_conv.spec.router_attr
     assert not torch.allclose(a[f"{router}.weight"].grad, b[f"{router}.weight"].grad)
 
