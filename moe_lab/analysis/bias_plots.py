@@ -4,12 +4,13 @@
 layer, the condenser experts and the step at which they were chosen. ``to_csv``/``from_csv`` round-trip
 it through a tidy CSV with one row per (step, layer, expert)::
 
-    step,layer,expert,bias,condenser
-    0,0,0,0.0,0
+    step,layer,expert,bias,condenser,chosen_at
+    0,0,0,0.0,0,3
     ...
 
 ``bias`` is written with full float32 precision; ``condenser`` is 1 from the step the expert became a
-condenser of its layer on. Re-plot one layer with pandas:
+condenser of its layer on; ``chosen_at`` is the step at which the layer's condensers were chosen (empty:
+none chosen), also when that step precedes the first row (a resumed run). Re-plot one layer with pandas:
 ``df[df.layer == 0].pivot(index="step", columns="expert", values="bias").plot()``.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 
 __all__ = ["BiasTrajectory", "bias_trajectory_plot"]
 
-CSV_FIELDS = ("step", "layer", "expert", "bias", "condenser")
+CSV_FIELDS = ("step", "layer", "expert", "bias", "condenser", "chosen_at")
 
 
 @dataclass
@@ -63,16 +64,19 @@ class BiasTrajectory:
             writer.writerow(CSV_FIELDS)
             for row, step in enumerate(self.steps):
                 for layer in self.layers:
+                    chosen = self.chosen_at.get(layer, "")
                     for expert, value in enumerate(self.biases[layer][row].tolist()):
-                        writer.writerow((step, layer, expert, repr(value), int(self.is_condenser(layer, expert, step))))
+                        flag = int(self.is_condenser(layer, expert, step))
+                        writer.writerow((step, layer, expert, repr(value), flag, chosen))
         os.replace(tmp, path)
         return path
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike) -> BiasTrajectory:
-        """Read a CSV written by :meth:`to_csv` (condenser ids and choice steps recovered from the flags)."""
+        """Read a CSV written by :meth:`to_csv`."""
         values: dict[int, dict[int, dict[int, float]]] = {}  # layer -> step -> expert -> bias
-        first_flag: dict[int, tuple[int, set[int]]] = {}
+        condensers: dict[int, set[int]] = {}
+        chosen_at: dict[int, int] = {}
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             missing = set(CSV_FIELDS) - set(reader.fieldnames or [])
@@ -82,28 +86,24 @@ class BiasTrajectory:
                 try:
                     step, layer, expert = int(row["step"]), int(row["layer"]), int(row["expert"])
                     bias, flag = float(row["bias"]), int(row["condenser"])
+                    chosen = int(row["chosen_at"]) if row["chosen_at"] else None
                 except ValueError as err:
                     raise ValueError(f"{path}, line {line}: {err}") from err
                 values.setdefault(layer, {}).setdefault(step, {})[expert] = bias
+                if chosen is not None:
+                    chosen_at[layer] = chosen
                 if flag:
-                    chosen, ids = first_flag.get(layer, (step, set()))
-                    if step < chosen:
-                        chosen, ids = step, set()
-                    if step == chosen:
-                        ids.add(expert)
-                    first_flag[layer] = (chosen, ids)
+                    condensers.setdefault(layer, set()).add(expert)
         steps = sorted({s for per_step in values.values() for s in per_step})
         biases = {
-            layer: np.array(
-                [[per_step[s][e] for e in sorted(per_step[s])] for s in steps], dtype=np.float32
-            )
+            layer: np.array([[per_step[s][e] for e in sorted(per_step[s])] for s in steps], dtype=np.float32)
             for layer, per_step in values.items()
         }
         return cls(
             steps=steps,
             biases=biases,
-            condensers={layer: sorted(ids) for layer, (_, ids) in first_flag.items()},
-            chosen_at={layer: chosen for layer, (chosen, _) in first_flag.items()},
+            condensers={layer: sorted(ids) for layer, ids in condensers.items()},
+            chosen_at=chosen_at,
         )
 
 
@@ -133,7 +133,7 @@ def bias_trajectory_plot(
     trajectory: BiasTrajectory,
     path: str | os.PathLike,
     title: str | None = None,
-    max_points: int = 2000,
+    max_points: int = 1000,
 ) -> Path:
     """Save a PNG with one panel per MoE layer: each expert's bias over optimizer steps (thin lines
     coloured by expert id), the condenser experts in bold red and labelled, and a dashed vertical line at

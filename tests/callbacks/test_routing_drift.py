@@ -4,6 +4,7 @@ the lr=0 invariant, a routing-changing method, resume and 2-process DDP."""
 from __future__ import annotations
 
 import math
+import types
 
 import lightning as L
 import pytest
@@ -262,3 +263,107 @@ def test_bad_arguments_name_the_field():
         RoutingDriftCallback(probe_batches=0)
     with pytest.raises(TypeError, match="input_ids"):
         capture_routing(TinyModule(), [[torch.zeros(2, 3, dtype=torch.long)]])
+
+
+# 2-process DDP ------------------------------------------------------------------------------------------
+DDP_OPTIONS = {"gamma": 0.5, "n": 1, "warmup_steps": 2}
+
+
+class LazyCondenser(L.LightningModule):
+    """Condenser on tiny OLMoE, built in each process (moe-lab's router classes do not pickle); lr = 0, so
+    only the router biases (updated from all-reduced loads) and the condensers change the routing."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = self.patch = None
+
+    def configure_model(self):
+        if self.model is None:
+            import moe_lab
+
+            self.model = build_tiny("olmoe")
+            self.patch = moe_lab.apply(self.model, "condenser", **DDP_OPTIONS)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.patch.after_optimizer_step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class DumpRankState(L.Callback):
+    """Each rank saves its probe batch, final biases and condensers at the end of training."""
+
+    def __init__(self, out_dir, drift):
+        self.out_dir, self.drift = str(out_dir), drift
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(
+            {"probe": self.drift.probe, "bias": [layer.bias.clone() for layer in pl_module.patch.layers],
+             "forced": [layer.forced_experts for layer in pl_module.patch.layers]},
+            f"{self.out_dir}/rank{trainer.global_rank}.pt",
+        )
+
+
+@pytest.mark.slow
+def test_ddp_drift_is_that_of_the_union_of_rank_probes_and_rank_zero_writes(tmp_path):
+    from moe_lab.analysis.bias_plots import BiasTrajectory
+    from moe_lab.callbacks import RouterBiasCallback
+
+    def rows_of(batches):
+        return [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
+
+    train = torch.utils.data.DataLoader(rows_of(random_batches(4, batch=2)), batch_size=2, shuffle=False)
+    val = torch.utils.data.DataLoader(rows_of(random_batches(2, batch=2, seed=7)), batch_size=2, shuffle=False)
+    drift = RoutingDriftCallback(every_n_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=CSVLogger(tmp_path),
+        log_every_n_steps=1, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+        callbacks=[drift, RouterBiasCallback(log_every_n_steps=1, record_every_n_steps=1, plot_every_n_steps=2),
+                   DumpRankState(tmp_path, drift)],
+    )
+    trainer.fit(LazyCondenser(), train, val)
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    # each rank probes its shard of the first validation batch (rows 0, 2 and 1, 3 of the val set)
+    val_rows = rows_of(random_batches(2, batch=2, seed=7))
+    for r in (0, 1):
+        expected = torch.stack([val_rows[r]["input_ids"], val_rows[r + 2]["input_ids"]])
+        assert torch.equal(ranks[r]["probe"][0]["input_ids"], expected)
+    assert not torch.equal(ranks[0]["probe"][0]["input_ids"], ranks[1]["probe"][0]["input_ids"])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["bias"], ranks[1]["bias"]))
+    assert ranks[0]["forced"] == ranks[1]["forced"] and all(len(f) == 1 for f in ranks[0]["forced"])
+
+    # one process, the union of both ranks' probes: base routing vs routing with the final biases
+    import moe_lab
+
+    model = build_tiny("olmoe")
+    patch = moe_lab.apply(model, "condenser", **DDP_OPTIONS)
+    holder = types.SimpleNamespace(model=model, patch=patch)
+    union = ranks[0]["probe"] + ranks[1]["probe"]
+    base = capture_routing(holder, union)
+    for layer, bias, forced in zip(patch.layers, ranks[0]["bias"], ranks[0]["forced"]):
+        layer.bias.copy_(bias)
+        layer.forced_expert_ids.copy_(torch.tensor(forced))
+    now = capture_routing(holder, union)
+    (metrics_csv,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
+    rows = read_csv_metrics(metrics_csv)
+    for i, (b, n) in enumerate(zip(base, now)):
+        for name, value in drift_means(drift_sums(b, n)).items():
+            assert metric_by_step(rows, f"drift/layer{i}/{name}")[3] == pytest.approx(value, rel=1e-9), name
+
+    # rank zero alone wrote the bias trajectory; its last row holds the final biases
+    plots = tmp_path / "plots"
+    assert sorted(p.name for p in plots.iterdir()) == ["router_bias_trajectory.csv", "router_bias_trajectory.png"]
+    traj = BiasTrajectory.from_csv(plots / "router_bias_trajectory.csv")
+    assert traj.steps == [0, 1, 2, 3, 4] and traj.chosen_at == {0: 2, 1: 2}
+    for index, bias in zip((0, 1), ranks[0]["bias"]):
+        assert torch.equal(torch.from_numpy(traj.biases[index][-1]), bias)
