@@ -12,7 +12,14 @@ from moe_lab.data.collate import (
 )
 from moe_lab.data.datamodule import SOURCES, SFTDataModule
 from moe_lab.data.llm_adapters import load_llm_adapters
-from moe_lab.data.packing import model_inputs, pack_examples, packed_collate, real_token_mask
+from moe_lab.data.packing import (
+    is_packed,
+    model_inputs,
+    pack_examples,
+    packed_collate,
+    real_token_mask,
+    verify_packing,
+)
 from moe_lab.data.prompts import build_prompt, format_chat, format_prompt
 from moe_lab.data.reasoning import ReasoningFormat
 from moe_lab.data.resumable import ResumableDataLoader, ResumableSampler
@@ -38,6 +45,7 @@ __all__ = [
     "encode_prompt",
     "format_chat",
     "format_prompt",
+    "is_packed",
     "load_llm_adapters",
     "load_tokenizer",
     "model_inputs",
@@ -47,4 +55,5 @@ __all__ = [
     "real_token_mask",
     "synthetic_math_rows",
     "tokenize_example",
+    "verify_packing",
 ]

@@ -50,7 +50,17 @@ def pack_examples(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     return rows
 
 
-def packed_collate(batch: Sequence[Sequence[dict]], pad_id: int) -> dict[str, torch.Tensor]:
+class PackedBatch(dict):
+    """The dict ``packed_collate`` returns; asking it for a key it lacks (``attention_mask``) says why."""
+
+    def __missing__(self, key: str):
+        raise KeyError(
+            f"{key!r}: this is a packed batch (dataset.packing=true), which has no attention_mask on purpose. "
+            "Call the model with moe_lab.data.model_inputs(batch) and count tokens with real_token_mask(batch)."
+        )
+
+
+def packed_collate(batch: Sequence[Sequence[dict]], pad_id: int) -> PackedBatch:
     """Packed rows (each a list of ``{"input_ids", "labels"}`` examples) -> a right-padded packed batch.
 
     ``position_ids`` count 0, 1, ... within each example and again within the trailing pad; ``labels`` are
@@ -71,7 +81,7 @@ def packed_collate(batch: Sequence[Sequence[dict]], pad_id: int) -> dict[str, to
             token_mask[r, start : start + n] = 1
             start += n
         position_ids[r, start:] = torch.arange(width - start)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "token_mask": token_mask}
+    return PackedBatch(input_ids=input_ids, labels=labels, position_ids=position_ids, token_mask=token_mask)
 
 
 def is_packed(batch: dict) -> bool:

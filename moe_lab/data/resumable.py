@@ -136,9 +136,10 @@ class ResumableDataModule(L.LightningDataModule):
         return {"train_loader": loader.state_dict()} if loader is not None else {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the train loader's position: now if the loader exists, else when it is built."""
+        """Restore the train loader's position: in the loader built last (if any) and in the next one built
+        (another module may have built a loader of its own first; the state is keyed by epoch, so a loader of
+        a later epoch ignores it)."""
         state = state_dict.get("train_loader")
         if state is not None and self._train_loader is not None:
             self._train_loader.load_state_dict(state)
-        else:
-            self._resume_state = state
+        self._resume_state = state

@@ -52,6 +52,8 @@ def test_packed_collate_layout():
     assert kwargs["attention_mask"] is None and kwargs["use_cache"] is False
     assert kwargs["position_ids"] is out["position_ids"]
     assert real_token_mask(out) is out["token_mask"]
+    with pytest.raises(KeyError, match="model_inputs"):
+        out["attention_mask"]  # a consumer that is not packing-aware fails loudly, not silently wrong
     padded = {"input_ids": out["input_ids"], "attention_mask": out["token_mask"], "labels": out["labels"]}
     assert not is_packed(padded) and model_inputs(padded)["attention_mask"] is padded["attention_mask"]
 
@@ -88,16 +90,16 @@ def test_packed_loss_equals_sum_of_unpacked_losses(family):
     assert len(rows) < len(examples) and any(len(r) >= 3 for r in rows)
     batch = packed_collate(rows, pad_id=0)
     with torch.no_grad():
-        packed = _summed_loss(model(**model_inputs(batch)).logits, batch["labels"])
+        out = model(**model_inputs(batch))
+        packed = _summed_loss(out.logits, batch["labels"])
         alone = sum(
             _summed_loss(model(input_ids=torch.tensor([e["input_ids"]])).logits, torch.tensor([e["labels"]]))
             for e in examples
         )
         n_tokens = sum(sum(x != IGNORE_INDEX for x in e["labels"][1:]) for e in examples)
-        hf_mean = model(**model_inputs(batch)).loss  # HF's own loss is the mean over the same tokens
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == n_tokens
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(hf_mean.double(), packed / n_tokens, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss.double(), packed / n_tokens, rtol=1e-5, atol=1e-6)  # HF's mean
 
 
 @pytest.mark.parametrize("family", LEAKS)

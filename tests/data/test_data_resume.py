@@ -160,3 +160,17 @@ def test_sampler_shards_like_distributed_sampler():
     reference = [list(torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, seed=3)) for r in range(2)]
     assert shards == reference and len(shards[0]) == len(shards[1]) == 6
     assert set(shards[0]) | set(shards[1]) == set(range(11))
+
+
+def test_position_reaches_the_loader_built_after_another(chat_file):
+    """A method may build its own train loader in setup (ESFT scoring) before the checkpoint is restored."""
+    dm = _datamodule(chat_file)
+    dm.setup()
+    scoring = dm.train_dataloader()
+    _ = next(iter(scoring))
+    dm.load_state_dict({"train_loader": {"epoch": 0, "batches": 2}})
+    training = dm.train_dataloader()
+    reference = _datamodule(chat_file)
+    reference.setup()
+    expected = [x["input_ids"].tolist() for x in reference.train_dataloader()][2:]
+    assert [x["input_ids"].tolist() for x in training] == expected
