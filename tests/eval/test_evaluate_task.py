@@ -206,6 +206,33 @@ def test_perplexity_group_on_a_local_text(tmp_path):
     assert "| model | method | WikiText-2 |" in (out / "results.md").read_text()
 
 
+def test_hard_reasoning_samples_and_esft_raw_prompts(tmp_path):
+    aime = tmp_path / "aime.jsonl"
+    aime.write_text("".join(json.dumps({"id": i, "problem": f"Compute {i}+1.", "answer": str(i + 1)}) + "\n"
+                            for i in range(2)))
+    out = tmp_path / "hard"
+    evaluate(eval_cfg(out, "eval=hard_reasoning", "eval.datasets=[aime24]", f"eval.paths.aime24={aime}",
+                      "eval.generation.max_new_tokens=5"))
+    preds = read_jsonl(out / "predictions" / "aime24.jsonl")
+    assert [p["id"] for p in preds] == [0, 1] and all(len(p["prediction"]) == 4 for p in preds)
+    assert len({tuple(p["prediction"]) for p in preds}) == 2  # sampled, seeded per prompt
+    summary = json.loads((out / "summary.json").read_text())["datasets"]["aime24"]
+    assert summary["metric"] == "pass@1" and sum(summary["statuses"].values()) == 8
+
+    gold = '{"intent": "Weather-Query", "slots": {"city": "Tianjin"}}'
+    intent = tmp_path / "intent.jsonl"
+    rows = [{"idx": 2 * i, "prompt": f"User: weather in Tianjin {i}?\n\nAssistant:", "raw_answers": [gold]}
+            for i in range(2)]
+    intent.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "esft"
+    evaluate(eval_cfg(out, "eval=esft", "eval.datasets=[esft_intent]", f"eval.paths.esft_intent={intent}",
+                      "eval.generation.max_new_tokens=6", "eval.batch_size=1"))
+    model, tokenizer = load_model(tiny_model_cfg("olmoe"))
+    preds = read_jsonl(out / "predictions" / "esft_intent.jsonl")
+    assert [p["id"] for p in preds] == [0, 2]  # the rows' own ids
+    assert [p["prediction"] for p in preds] == [hf_greedy(model, tokenizer, r["prompt"], 6) for r in rows]
+
+
 def test_checkpoints_export_dir_and_lightning_ckpt(tmp_path):
     import moe_lab
 
@@ -290,7 +317,7 @@ def run_py(*overrides, cwd):
 def test_run_py_math7(tmp_path):
     out = tmp_path / "run"
     proc = run_py("task=evaluate", "eval=math7", "model=tiny_olmoe", "eval.limit=8",
-                  "eval.generation.max_new_tokens=64", f"hydra.run.dir={out}", cwd=tmp_path)
+                  "eval.generation.max_new_tokens=32", f"hydra.run.dir={out}", cwd=tmp_path)
     header = "| model | method | GSM8K | SVAMP | MultiArith | AddSub | AQuA | SingleEq | MAWPS | Avg. |"
     assert header in proc.stdout and f"Output directory: {out}" in proc.stdout
     assert "gsm8k: acc = " in proc.stdout and "coverage 8/8" in proc.stdout

@@ -118,3 +118,65 @@ def test_unknown_dataset_and_missing_files(tmp_path):
     assert f"{tmp_path / 'gsm8k.test.json'} does not exist" in proc.stderr and "eval.paths.gsm8k" in proc.stderr
     proc = score_cli("--dataset", "math500", "--predictions", preds, check_rc=2)
     assert "eval.paths.math500=/local/path" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sets without a shared copy: scored from small local files in their own formats
+
+
+def test_esft_metrics_by_hand():
+    from moe_lab.eval.score import intent_match, intent_prediction, rouge_l
+
+    assert rouge_l("the cat sat on the mat", "The cat is on the mat") == pytest.approx(5 / 6)
+    assert rouge_l("我喜欢猫", "我喜欢狗") == pytest.approx(0.75)  # one token per CJK character
+    assert rouge_l("", "x") == 0.0 and rouge_l("a b", "c d") == 0.0
+    gold = {"intent": "Alarm-Update", "slots": {"datetime_date": "今天", "notes": ["b", "a"]}}
+    assert intent_match(intent_prediction('{"intent": "Alarm-Update", "slots": {"notes": ["a", "b"], '
+                                          '"datetime_date": "今 天"}}。\nmore'), gold)
+    fenced = '```json\n{"intent": "Alarm-Update", "slots": {"datetime_date": "今天", "notes": ["a", "b"]}}\n```'
+    assert intent_match(intent_prediction(fenced), gold)
+    assert not intent_match(intent_prediction('{"intent": "Alarm-Update", "slots": {"notes": ["a", "b"]}}'), gold)
+    assert intent_prediction("not json") is None
+
+
+def test_esft_files_use_their_own_ids(tmp_path):
+    gold = '{"intent": "Weather-Query", "slots": {"city": "天津"}}'
+    data = write_jsonl(tmp_path / "intent.jsonl", [
+        {"idx": 0, "prompt": "User: ...\n\nAssistant:", "raw_answers": [gold], "answers": [gold]},
+        {"idx": 2, "prompt": "User: ...\n\nAssistant:", "raw_answers": [gold], "answers": [gold]},
+    ])
+    preds = write_jsonl(tmp_path / "p.jsonl", [{"id": 2, "prediction": gold}, {"id": 0, "prediction": "{}"}])
+    proc = score_cli("--dataset", "esft_intent", "--predictions", preds, "--path", data)
+    assert "esft_intent: intent_em = 0.5000 (1/2) | coverage 2/2" in proc.stdout
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": 1, "prediction": gold}])
+    from moe_lab.eval.score import PredictionsError, score_predictions
+
+    with pytest.raises(PredictionsError, match="line 1: id 1 is not the id of any row"):
+        score_predictions("esft_intent", bad, path=data)
+
+
+def test_hard_reasoning_pass_at_1_over_samples_and_gpqa_option_order(tmp_path):
+    from moe_lab.eval.eval_sets import load_eval_set
+    from moe_lab.eval.score import score_predictions
+
+    aime = write_jsonl(tmp_path / "aime.jsonl", [{"id": 60, "problem": "Find x.", "answer": "204"},
+                                                 {"id": 61, "problem": "Find y.", "answer": "25"}])
+    samples = {60: [r"so \boxed{204}", r"\boxed{205}", "The answer is 204.", ""],
+               61: [r"\boxed{25}", r"\boxed{25}", r"\boxed{25}", r"\boxed{\frac{50}{2}}"]}
+    summary, items = score_predictions("aime24", [{"id": k, "prediction": v} for k, v in samples.items()],
+                                       path=aime)
+    assert [it["score"] for it in items] == [0.5, 0.75]  # \frac{50}{2} is not normalised to 25 (as in MATH)
+    assert summary["value"] == pytest.approx(0.625) and summary["metric"] == "pass@1"
+    assert summary["statuses"] == {"correct": 5, "empty": 1, "wrong": 2}
+    data = load_eval_set("aime24", path=aime)
+    assert data.rows[0]["instruction"].startswith("Find x.") and data.rows[0]["instruction"].endswith(r"\boxed{}.")
+    gpqa = write_jsonl(tmp_path / "gpqa.jsonl", [
+        {"Record ID": f"r{i}", "Question": f"Q{i}?", "Correct Answer": "right", "Incorrect Answer 1": "w1",
+         "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3"} for i in range(6)])
+    data = load_eval_set("gpqa_diamond", path=gpqa, seed=0)
+    letters = [r["answer"] for r in data.rows]
+    for row in data.rows:
+        assert f"{row['answer']}) right" in row["instruction"]
+    assert len(set(letters)) > 1 and letters == [r["answer"] for r in load_eval_set("gpqa_diamond", path=gpqa).rows]
+    preds = [{"id": r["id"], "prediction": rf"\boxed{{{r['answer']}}}"} for r in data.rows]
+    assert score_predictions("gpqa_diamond", preds, data=data)[0]["value"] == 1.0
