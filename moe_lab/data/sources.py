@@ -73,6 +73,25 @@ def where(source: str, i: int) -> str:
     return f"{source}: row {i}"
 
 
+def json_syntax_error(path: str) -> str | None:
+    """``"<file>: line n, column c: <problem>"`` for the first JSON syntax error of a JSON/JSON-lines file, or None."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"{path}: line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})"
+        return None
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}: line {number}, column {err.colno}: invalid JSON ({err.msg})"
+    return None
+
+
 def _hub_error(path_or_id: str, name: str | None, split: str, err: Exception, example: str) -> OSError:
     if is_url(path_or_id):
         what = f"{path_or_id} from the web"
@@ -105,7 +124,13 @@ def open_dataset(
         if not os.path.exists(path):
             raise FileNotFoundError(f"Dataset path {path_or_id!r} does not exist. {override_hint(example)}")
         if os.path.isfile(path):
-            return load_dataset(_builder(path), data_files=path, split="train", streaming=streaming)
+            try:
+                return load_dataset(_builder(path), data_files=path, split="train", streaming=streaming)
+            except Exception as err:
+                problem = json_syntax_error(path) if path.endswith((".json", ".jsonl")) else None
+                if problem is None:
+                    raise
+                raise ValueError(problem) from err
         if all(os.path.exists(os.path.join(path, m)) for m in _DATASET_FOLDER_MARKERS):
             ds = load_from_disk(path)
             ds = ds[split] if hasattr(ds, "keys") else ds

@@ -68,3 +68,14 @@ def test_datamodule_shards_train_batches_across_ranks():
     everything = sorted(tuple(ex["input_ids"]) for ex in dm.examples["train"])
     assert len(examples[0]) == len(examples[1]) == 16  # 31 padded to 32 (DistributedSampler's rule)
     assert sorted(set(examples[0]) | set(examples[1])) == everything
+
+
+def test_json_syntax_error_names_line_and_column(tmp_path):
+    lines = tmp_path / "broken.jsonl"
+    lines.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "output": }\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl: line 3, column 32: invalid JSON"):
+        read_rows(str(lines))
+    array = tmp_path / "broken.json"
+    array.write_text('[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c" "output": "d"}\n]')
+    with pytest.raises(ValueError, match=r"broken\.json: line 3, column 23: invalid JSON"):
+        read_rows(str(array))
