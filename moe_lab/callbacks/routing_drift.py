@@ -50,14 +50,19 @@ def _validation_loader(trainer: pl.Trainer):
     return loader
 
 
-def _probe_batch(batch) -> dict[str, torch.Tensor]:
-    """The tensors of a dict batch, on the CPU."""
+def _batch_tensors(batch) -> dict[str, torch.Tensor]:
+    """The tensors of a dict batch with ``input_ids``; anything else is refused with the expected format."""
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise TypeError(
             "RoutingDriftCallback needs dict batches with `input_ids` (and `attention_mask`, or packed "
             f"`position_ids`/`token_mask`); got {type(batch).__name__}"
         )
-    return {k: v.detach().cpu().clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _probe_batch(batch) -> dict[str, torch.Tensor]:
+    """A CPU copy of a batch's tensors, kept as the probe (and in the checkpoint)."""
+    return {k: v.detach().cpu().clone() for k, v in _batch_tensors(batch).items()}
 
 
 def _forward_inputs(batch: dict) -> tuple[dict, torch.Tensor | None]:
@@ -80,6 +85,7 @@ def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None
     patch, model = _patch_and_model(pl_module)
     if patch.context.calibrating:
         raise RuntimeError("RoutingDriftCallback would count its probe: close patch.calibration() first")
+    batches = [_batch_tensors(batch) for batch in batches]
     per_layer: list[list[RoutingSnapshot]] = [[] for _ in patch.layers]
     mask_box: list[torch.Tensor | None] = [None]
 
@@ -95,7 +101,6 @@ def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None
         getattr(layer, layer.spec.router_attr).register_forward_hook(hook_for(pos, view.rule))
         for pos, (layer, view) in enumerate(zip(patch.layers, patch.views))
     ]
-    batches = [_probe_batch(batch) for batch in batches]
     device = next(model.parameters()).device
     try:
         model.eval()

@@ -17,7 +17,7 @@ from moe_lab.callbacks import RoutingDriftCallback
 from moe_lab.callbacks.routing_drift import capture_routing
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.moe.routing import RoutingRule
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, random_batch
 
 from .conftest import TinyModule, loader, metric_by_step, random_batches, read_csv_metrics
 
@@ -136,6 +136,40 @@ def test_probe_matches_vanilla_hf_routing_counts_nothing_and_restores_modes():
         assert [set(r) for r in snap.indices.tolist()] == [set(r) for r in top.indices.tolist()]
         assert torch.equal(snap.top1, top.indices[:, 0])
         assert torch.allclose(snap.log_probs.double(), probs.log(), atol=1e-6)
+
+
+def test_probe_works_on_every_family(family):
+    import moe_lab
+
+    model = build_tiny(family).train()
+    holder = types.SimpleNamespace(model=model, patch=moe_lab.apply(model, "sft"))
+    batch = random_batch()  # left-padded rows
+    snaps = capture_routing(holder, [batch])
+    assert model.training and len(snaps) == len(holder.patch.layers)
+    for snap, layer in zip(snaps, holder.patch.layers):
+        assert snap.num_tokens == int(batch["attention_mask"].sum())
+        assert snap.indices.shape[1] == layer.top_k and int(snap.indices.max()) < layer.num_experts
+        assert bool((snap.indices == snap.top1[:, None]).any(1).all())
+        assert torch.allclose(snap.log_probs.double().exp().sum(1), torch.ones(snap.num_tokens, dtype=torch.float64),
+                              atol=1e-5)
+        same = drift_means(drift_sums(snap, snap))
+        assert (same["topk_overlap"], same["flip_rate"], same["kl"]) == (1.0, 0.0, 0.0)
+
+
+def test_packed_probe_counts_real_tokens_and_keeps_examples_apart():
+    from moe_lab.data.packing import packed_collate
+
+    g = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 4, 6))
+    packed = packed_collate([[{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}],
+                             [{"input_ids": c, "labels": c}]], pad_id=0)
+    module = TinyModule()
+    (layer0, layer1) = capture_routing(module, [packed])
+    assert layer0.num_tokens == layer1.num_tokens == 15  # the 3 trailing pad tokens of row 1 are left out
+    alone = capture_routing(module, [{"input_ids": torch.tensor([b]), "attention_mask": torch.ones(1, 4)}])
+    for snap, ref in zip((layer0, layer1), alone):  # example b (tokens 5..8) routes as if it were alone
+        assert [set(r) for r in snap.indices[5:9].tolist()] == [set(r) for r in ref.indices.tolist()]
+        assert torch.allclose(snap.log_probs[5:9], ref.log_probs, atol=1e-5)
 
 
 def _module(method="sft", lr=1e-3, **options):
