@@ -124,7 +124,7 @@ class PredictionStore:
         self.path = directory / f"{name}.jsonl"
         self.meta = directory / f"{name}.meta.json"
         self.settings = json.loads(json.dumps(settings))  # plain JSON types, comparable with the file
-        if self.meta.is_file():
+        if self.meta.is_file() and self.path.is_file():
             before, now = _flatten(json.loads(self.meta.read_text())), _flatten(self.settings)
             changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             if changed:
@@ -153,9 +153,14 @@ class PredictionStore:
                     with open(self.path, "r+b") as f:
                         f.truncate(len(raw) - len(line))
                     log.warning("%s: dropped an incomplete last line (interrupted write)", self.path)
-                    break
+                    return records
                 raise ValueError(f"{self.path}: line {n} is not valid JSON; delete the file to start over") from None
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError(f"{self.path}: line {n} has no 'id'; delete the file to start over")
             records[str(record["id"])] = record
+        if raw and not raw.endswith(b"\n"):  # complete record, newline lost: appends must start a new line
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
         return records
 
     def append(self, records: list[dict]) -> None:

@@ -134,9 +134,10 @@ def test_rerun_resumes_and_skips_finished_rows(tmp_path, monkeypatch):
         return real(model, tokenizer, prompts, **kw)
 
     monkeypatch.setattr(generation, "generate", counting)
-    # an interrupted run: svamp lost its last row and has a half-written line
+    # an interrupted run: svamp lost its last row and has a half-written line; aqua lost its last newline
     lines = first["svamp"].splitlines(keepends=True)
     (out / "predictions" / "svamp.jsonl").write_text("".join(lines[:2]) + '{"id": 2, "predi')
+    (out / "predictions" / "aqua.jsonl").write_text(first["aqua"].rstrip("\n"))
     evaluate(eval_cfg(out, *common, "eval.limit=3"))
     svamp_row2 = json.loads((SHARED_DATA / "SVAMP.test.json").read_text())[2]["instruction"]
     assert len(prompts_seen) == 1 and svamp_row2 in prompts_seen[0]
