@@ -16,7 +16,7 @@ from moe_lab.data.collate import assemble, check_overflow, pad_collate, prompt_r
 from moe_lab.data.llm_adapters import load_llm_adapters
 from moe_lab.data.packing import pack_examples, packed_collate
 from moe_lab.data.prompts import build_prompt
-from moe_lab.data.reasoning import ReasoningFormat, reasoning_rows
+from moe_lab.data.reasoning import reasoning_format, reasoning_rows
 from moe_lab.data.resumable import ResumableDataLoader, ResumableDataModule, ResumableSampler
 from moe_lab.data.sources import read_rows, source_label
 from moe_lab.data.synthetic import synthetic_math_rows
@@ -89,7 +89,7 @@ class SFTDataModule(ResumableDataModule):
         self.num_workers, self.seed, self.tokenizer = num_workers, seed, tokenizer
         self.overflow, self.packing = check_overflow(overflow), bool(packing)
         self.chat_format, self.messages_field = chat_format, messages_field
-        self.reasoning = ReasoningFormat(**dict(reasoning or {}))
+        self.reasoning = reasoning_format(reasoning)
         self.rows: dict[str, list[dict]] = {}
         self.examples: dict[str, list[dict]] = {}
         self.packed_rows: list[list[dict]] = []
@@ -119,7 +119,7 @@ class SFTDataModule(ResumableDataModule):
 
     def segments(self, row: Mapping[str, Any]) -> list[tuple[list[int], bool]]:
         """``(token ids, trained)`` pieces of one row (see ``assemble``)."""
-        if "messages" in row and self.source in ("chat", "reasoning"):
+        if self.source in ("chat", "reasoning"):
             return chat_segments(self.tokenizer, row["messages"], self.chat_format)
         return prompt_response_segments(self.tokenizer, build_prompt(self.tokenizer, row), row["output"])
 

@@ -12,7 +12,7 @@ The conversation then goes through ``moe_lab.data.chat`` (loss on the assistant 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from moe_lab.data.sources import where
@@ -33,6 +33,16 @@ class ReasoningFormat:
         """The trained assistant content: trace wrapped as thinking, then the labelled answer."""
         label = "" if self.answer_label.strip() in answer else self.answer_label
         return f"{self.think_prefix}{trace.strip()}{self.answer_prefix}{label}{answer.strip()}"
+
+
+def reasoning_format(options: Mapping[str, str] | None) -> ReasoningFormat:
+    """``ReasoningFormat`` from ``dataset.reasoning`` options; an unknown option raises naming the valid ones."""
+    options = dict(options or {})
+    valid = [f.name for f in fields(ReasoningFormat)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"dataset.reasoning has unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return ReasoningFormat(**options)
 
 
 def _text(value: Any, row_where: str, field: str, allow_list: bool) -> str:

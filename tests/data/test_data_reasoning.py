@@ -86,3 +86,5 @@ def test_reasoning_datamodule_and_overflow_policies(tmp_path, caplog):
         tiny.setup()
     with pytest.raises(ValueError, match="truncate, skip"):
         SFTDataModule(**common, overflow="drop")
+    with pytest.raises(ValueError, match="unknown option.*trace_feild.*valid: question_field"):
+        SFTDataModule(**common, reasoning={"trace_feild": "x"})
