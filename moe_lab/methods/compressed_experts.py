@@ -115,7 +115,7 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     ``scales`` holds per-token rows: input_scale [N, H], act_scale [N, I], optional up_input_scale [N, H].
     Works on slices of the packed tensors of ``view``.
     """
-    n_tokens, k = indices.shape
+    k = indices.shape[1]
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=view.num_experts).tolist()

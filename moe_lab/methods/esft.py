@@ -282,7 +282,7 @@ def select_experts(patch: MoEPatch, experts: Mapping) -> dict[int, list[int]]:
 def normalize_selection(experts: Mapping) -> dict[int, list[int]]:
     """``{int layer: sorted unique int ids}`` from a selection with int or str keys (e.g. read from JSON)."""
     if not isinstance(experts, Mapping):
-        raise ValueError(f"experts must be a dict {{layer index: [expert ids]}}, got {type(experts).__name__}")
+        raise TypeError(f"experts must be a dict {{layer index: [expert ids]}}, got {type(experts).__name__}")
     out = {}
     for layer, ids in experts.items():
         try:

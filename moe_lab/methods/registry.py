@@ -12,8 +12,8 @@ from ..moe.patch import MoEPatch
 from .compressed_experts import install_compressed_experts
 from .condenser import install_condenser
 from .densemixer import install_densemixer
-from .lora import add_lora
 from .esft import install_esft
+from .lora import add_lora
 from .sft import install_frozen_router, install_sft
 
 METHODS: dict[str, Callable] = {
