@@ -8,6 +8,7 @@ from functools import partial
 import lightning as L
 import torch
 
+from ..data.packing import model_inputs, real_token_mask, verify_packing
 from ..moe.patch import switch_aux_loss
 from ..plain import to_plain as _plain
 from .registry import apply
@@ -80,15 +81,20 @@ class MoELightningModule(L.LightningModule):
     def forward(self, **batch):
         return self.model(**batch)
 
+    def on_fit_start(self):
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "packing", False):
+            verify_packing(self.model)
+
     def _step(self, batch, stage: str):
-        out = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
-        )
+        mask = real_token_mask(batch)  # packed batches carry no attention mask, only their real tokens
+        with self.patch.context.real_tokens(mask):
+            out = self.model(**model_inputs(batch))
         loss = out.loss
         aux = getattr(out, "aux_loss", None)
         if self._moe_lab_adds_aux:
             layer = self.patch.layers[0]
-            aux = switch_aux_loss(out.router_logits, layer.num_experts, layer.top_k, batch["attention_mask"])
+            aux = switch_aux_loss(out.router_logits, layer.num_experts, layer.top_k, mask)
             loss = loss + self.aux_loss_coef * aux
         on_step = stage == "train"
         batch_size = batch["input_ids"].shape[0]
@@ -98,7 +104,7 @@ class MoELightningModule(L.LightningModule):
             self.log(f"{stage}/aux_loss", aux.detach(), on_step=on_step, on_epoch=not on_step,
                      sync_dist=not on_step, batch_size=batch_size)
         if on_step:
-            self.log("train/tokens", batch["attention_mask"].sum().float(), on_step=True, reduce_fx="sum",
+            self.log("train/tokens", mask.sum().float(), on_step=True, reduce_fx="sum",
                      batch_size=batch_size)
         return loss
 

@@ -23,11 +23,22 @@ class TokenContext:
     def __init__(self):
         self.attention_mask: torch.Tensor | None = None
         self.calibrating = False
+        self.fallback_mask: torch.Tensor | None = None
 
     def capture(self, module, args, kwargs):
-        """Forward pre-hook on the patched model: remember the attention mask of this call."""
+        """Forward pre-hook on the patched model: remember the attention mask of this call (or, when the
+        call has none, e.g. a packed batch, the mask given to :meth:`real_tokens`)."""
         mask = kwargs.get("attention_mask")
-        self.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else self.fallback_mask
+
+    @contextmanager
+    def real_tokens(self, mask: torch.Tensor | None):
+        """Count only tokens where ``mask`` [batch, seq] is 1 for calls that pass no attention mask."""
+        previous, self.fallback_mask = self.fallback_mask, mask
+        try:
+            yield
+        finally:
+            self.fallback_mask = previous
 
     def release(self, module, args, kwargs, output):
         """Forward hook: forget the mask once the model call returns."""

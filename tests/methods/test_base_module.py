@@ -78,3 +78,23 @@ def test_tiny_models_are_seeded():
     b, _ = load_model(tiny_model_cfg("mixtral"))
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_packed_batches_count_only_real_tokens_and_train():
+    from moe_lab.data.packing import packed_collate
+
+    from moe_lab.methods.base import MoELightningModule
+    from tests.conftest import build_tiny
+
+    module = MoELightningModule(build_tiny("olmoe"), method="sft")
+    module.train()
+    rows = [[{"input_ids": [1, 5, 6, 7], "labels": [1, 5, 6, 7]}, {"input_ids": [1, 8, 9], "labels": [1, 8, 9]}],
+            [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]]
+    batch = packed_collate(rows, pad_id=0)
+    real = int(batch["token_mask"].sum())
+    assert real == 10 and batch["input_ids"].numel() > real
+    module.patch.reset_counts()
+    loss = module._step(batch, "val")
+    assert torch.isfinite(loss)
+    top_k = module.patch.layers[0].top_k
+    assert all(int(layer.counts.sum()) == real * top_k for layer in module.patch.layers)
