@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from moe_lab.data.prompts import format_prompt
 from moe_lab.eval.results import ResultsTable, collect
+from moe_lab.eval.results import main as results_main
 from moe_lab.eval.score import main as score_main
 from moe_lab.models import load_model
 from moe_lab.tasks.evaluate import evaluate
@@ -265,6 +266,9 @@ def test_checkpoints_export_dir_and_lightning_ckpt(tmp_path):
     # results of several runs merge into one table
     table = collect([tmp_path / "a", tmp_path / "b"])
     assert list(table.cells) == [("tiny_qwen3_moe", "frozen_router")]
+    assert results_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "results.csv").read_text().splitlines()[1].startswith("tiny_qwen3_moe,frozen_router,")
+    assert results_main([str(tmp_path)]) == 2  # not a run directory
     torch.save({"weights": {}}, tmp_path / "bad.ckpt")
     with pytest.raises(ValueError, match="not a Lightning checkpoint written by task=finetune"):
         evaluate(eval_cfg(tmp_path / "c", *common, f"task.checkpoint={tmp_path / 'bad.ckpt'}"))
