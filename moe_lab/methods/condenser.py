@@ -15,6 +15,7 @@ Condenser biases are frozen once chosen; the others keep updating over the non-c
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
+
+log = logging.getLogger(__name__)
 
 SIGNS = {"sparsify": -1.0, "balance": 1.0}
 BIAS_MODES = ("selection", "logit")
@@ -169,6 +172,9 @@ def install_condenser(
     if not 0 <= n <= (k if budget == "replace" else num_experts - k):
         raise ValueError(f"n={n} condensers do not fit budget={budget!r} with top_k={k} and {num_experts} "
                          "experts: lower n or use budget='append'")
+    if n and budget == "replace" and n == k:
+        log.warning("condenser: n=%d condensers fill all top_k=%d slots (budget='replace'): after the warm-up "
+                    "every token uses only the condensers; lower n or use budget='append'", n, k)
     if experts is not None:
         experts = {int(i): list(ids) for i, ids in experts.items()}
         layers = {layer.index for layer in patch.layers}
