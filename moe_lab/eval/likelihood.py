@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,12 +41,17 @@ def forward(
 ):
     """The model's output; with ``keep > 0`` only the last ``keep`` positions have logits (through
     ``logits_to_keep`` when the model's forward takes it, so the others are never computed)."""
-    if keep and "logits_to_keep" in inspect.signature(model.forward).parameters:
+    if keep and _takes_logits_to_keep(type(model)):
         kwargs["logits_to_keep"] = keep
     out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     if keep and out.logits.shape[1] > keep:
         out.logits = out.logits[:, -keep:]
     return out
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
