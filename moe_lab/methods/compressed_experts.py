@@ -33,8 +33,8 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.moe import _grouped_linear
 
 from ..moe.block import MoEBlock
 from ..moe.experts import expert_intermediate_size
@@ -111,55 +111,56 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
                           scales: dict[str, torch.Tensor]) -> torch.Tensor:
     """``sum_slot weights * E_indices(x * input_scale)`` with the intermediate activation times ``act_scale``.
 
-    Grouped by expert like HF's packed-expert loop (one gather, one slice per hit expert, one index_add);
-    ``scales`` holds per-token rows: input_scale [N, H], act_scale [N, I], optional up_input_scale [N, H].
-    Works on slices of the packed tensors of ``view``.
+    ``scales`` holds per-token rows: input_scale [N, H], act_scale [N, I], optional up_input_scale [N, H]
+    (then the gate projection sees ``x * input_scale`` and the up projection ``x * up_input_scale``).
+    Rows are sorted by expert once and every projection is one grouped matmul over slices of the packed
+    tensors, dispatched like HF's default ``grouped_mm`` experts implementation (the kernel sft uses).
     """
+    experts = view.experts
+    transposed, concatenated, has_bias = _packed_layout(view)
     k = indices.shape[1]
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=view.num_experts).tolist()
-    tokens = order // k
-    rows = x[tokens]
-    gate_in = rows * scales["input_scale"][tokens]
-    up_in = rows * scales["up_input_scale"][tokens] if "up_input_scale" in scales else None
-    act = scales["act_scale"][tokens]
-    outputs, start = [], 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        part = slice(start, start + count)
-        start += count
-        hidden = _expert_hidden(view, e, gate_in[part], None if up_in is None else up_in[part])
-        outputs.append(_expert_down(view, e, hidden * act[part]))
-    out = torch.cat(outputs) * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
-
-
-def _expert_hidden(view: MoELayerView, e: int, x_gate: torch.Tensor, x_up: torch.Tensor | None) -> torch.Tensor:
-    """Intermediate activation [n, I] of expert e (gate input ``x_gate``, up input ``x_up`` or the same)."""
-    experts = view.experts
-    if view.spec.expert_layout == "gpt_oss":
-        w, b = experts.gate_up_proj[e], experts.gate_up_proj_bias[e]  # [H, 2I] interleaved gate/up
-        if x_up is None:
-            return experts._apply_gate(x_gate @ w + b)
-        gate = x_gate @ w[:, ::2] + b[::2]
-        up = x_up @ w[:, 1::2] + b[1::2]
-        return experts._apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))
-    w = experts.gate_up_proj[e]  # [2I, H]: gate rows, then up rows
-    if x_up is None:
-        gate, up = F.linear(x_gate, w).chunk(2, dim=-1)
+    expert_ids, perm = torch.sort(indices.reshape(-1), stable=True)
+    tokens = perm // k
+    offsets = torch.cumsum(torch.bincount(expert_ids, minlength=view.num_experts), dim=0).to(torch.int32)
+    gate_in = (x * scales["input_scale"])[tokens]
+    gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias[expert_ids] if has_bias else None
+    if "up_input_scale" not in scales:
+        projected = _grouped_linear(gate_in, gate_up, offsets, bias=bias, is_transposed=transposed)
     else:
-        size = w.shape[0] // 2
-        gate, up = F.linear(x_gate, w[:size]), F.linear(x_up, w[size:])
-    return experts.act_fn(gate) * up
+        up_in = (x * scales["up_input_scale"])[tokens]
+        (w_gate, w_up), (b_gate, b_up) = _split_gate_up(gate_up, bias, transposed, concatenated)
+        gate = _grouped_linear(gate_in, w_gate, offsets, bias=b_gate, is_transposed=transposed)
+        up = _grouped_linear(up_in, w_up, offsets, bias=b_up, is_transposed=transposed)
+        projected = torch.cat((gate, up), dim=-1) if concatenated else torch.stack((gate, up), dim=-1).flatten(-2)
+    hidden = experts._apply_gate(projected) * scales["act_scale"][tokens]
+    bias = experts.down_proj_bias[expert_ids] if has_bias else None
+    out = _grouped_linear(hidden, experts.down_proj, offsets, bias=bias, is_transposed=transposed)
+    out = out * weights.reshape(-1)[perm, None]
+    # back to (token, slot) order, then a sum over the slots (as HF's grouped experts do)
+    out = out.new_empty(out.shape).index_copy(0, perm, out)
+    return out.view(-1, k, out.shape[-1]).sum(dim=1).to(x.dtype)
 
 
-def _expert_down(view: MoELayerView, e: int, hidden: torch.Tensor) -> torch.Tensor:
+def _packed_layout(view: MoELayerView) -> tuple[bool, bool, bool]:
+    """(weights stored [E, in, out], gate/up concatenated (else interleaved), expert biases) of the packed
+    experts, as HF's experts-implementation decorator records them (the registry's layout otherwise)."""
     experts = view.experts
-    if view.spec.expert_layout == "gpt_oss":
-        return hidden @ experts.down_proj[e] + experts.down_proj_bias[e]
-    return F.linear(hidden, experts.down_proj[e])
+    gpt_oss = view.spec.expert_layout == "gpt_oss"
+    return (bool(getattr(experts, "is_transposed", gpt_oss)), bool(getattr(experts, "is_concatenated", not gpt_oss)),
+            bool(getattr(experts, "has_bias", gpt_oss)))
+
+
+def _split_gate_up(weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, concatenated: bool):
+    """((gate weights, up weights), (gate bias, up bias)): views of the packed gate_up tensor and its bias."""
+    dim = 2 if transposed else 1
+    size = weight.shape[dim] // 2
+    if concatenated:
+        parts = (weight.narrow(dim, 0, size), weight.narrow(dim, size, size))
+        biases = (None, None) if bias is None else (bias[..., :size], bias[..., size:])
+    else:
+        parts = (weight[:, :, ::2], weight[:, :, 1::2]) if transposed else (weight[:, ::2], weight[:, 1::2])
+        biases = (None, None) if bias is None else (bias[..., ::2], bias[..., 1::2])
+    return parts, biases
 
 
 def default_k_main(top_k: int) -> int:
