@@ -80,6 +80,11 @@ def test_greedy_is_deterministic_and_batch_size_invariant(fam, tok):
     one = generate(model, tok, PROMPTS, max_new_tokens=NEW, batch_size=1)
     assert generate(model, tok, PROMPTS, max_new_tokens=NEW, batch_size=16) == one
     assert model.training  # the previous mode is restored
+    # With stop strings rows leave the batch (and its KV cache) at different steps.
+    stops = _stops_from([c[0] for c in one])
+    assert generate(model, tok, PROMPTS, max_new_tokens=NEW, batch_size=16, stop=stops) == [
+        [_cut(c[0], stops)] for c in one
+    ]
     if fam == "olmoe":
         assert generate(model, tok, PROMPTS, max_new_tokens=NEW, batch_size=1) == one
         assert generate(model, tok, PROMPTS, max_new_tokens=NEW, batch_size=3) == one
