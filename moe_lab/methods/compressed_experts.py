@@ -131,7 +131,13 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
         (w_gate, w_up), (b_gate, b_up) = _split_gate_up(gate_up, bias, transposed, concatenated)
         gate = _grouped_linear(gate_in, w_gate, offsets, bias=b_gate, is_transposed=transposed)
         up = _grouped_linear(up_in, w_up, offsets, bias=b_up, is_transposed=transposed)
-        projected = torch.cat((gate, up), dim=-1) if concatenated else torch.stack((gate, up), dim=-1).flatten(-2)
+        if concatenated:
+            projected = torch.cat((gate, up), dim=-1)
+        else:  # interleave; grouped_mm's backward needs the (strided) column gradients made contiguous
+            for part in (gate, up):
+                if part.requires_grad:
+                    part.register_hook(torch.Tensor.contiguous)
+            projected = torch.stack((gate, up), dim=-1).flatten(-2)
     hidden = experts._apply_gate(projected) * scales["act_scale"][tokens]
     bias = experts.down_proj_bias[expert_ids] if has_bias else None
     out = _grouped_linear(hidden, experts.down_proj, offsets, bias=bias, is_transposed=transposed)
@@ -158,7 +164,9 @@ def _split_gate_up(weight: torch.Tensor, bias: torch.Tensor | None, transposed: 
         parts = (weight.narrow(dim, 0, size), weight.narrow(dim, size, size))
         biases = (None, None) if bias is None else (bias[..., :size], bias[..., size:])
     else:
+        # interleaved columns: grouped_mm needs unit-stride rows, so these two are copied (autograd-tracked)
         parts = (weight[:, :, ::2], weight[:, :, 1::2]) if transposed else (weight[:, ::2], weight[:, 1::2])
+        parts = tuple(part.contiguous() for part in parts)
         biases = (None, None) if bias is None else (bias[..., ::2], bias[..., 1::2])
     return parts, biases
 

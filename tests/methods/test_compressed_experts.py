@@ -153,12 +153,27 @@ def test_auxiliary_experts_are_never_executed():
         assert torch.isnan(model(**batch).logits).any()
 
 
-def _hand_block(view, x, vectors, k_main, separate):
-    """Per-token Compressed Experts layer output written out for the olmoe (gate_up) layout."""
+def _hand_expert(view, e, x_gate, x_up, family):
+    """One expert on one token, written out per layout (gate/up inputs may differ)."""
+    if family == "gpt_oss":  # [H, 2I] interleaved gate/up columns with biases, clamped SwiGLU
+        w, b, experts = view.gate_up_proj[e], view.experts.gate_up_proj_bias[e], view.experts
+        gate = (x_gate @ w[:, 0::2] + b[0::2]).clamp(max=experts.limit)
+        up = (x_up @ w[:, 1::2] + b[1::2]).clamp(-experts.limit, experts.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * experts.alpha), \
+            lambda h: h @ view.down_proj[e] + view.experts.down_proj_bias[e]
+    size = view.down_proj.shape[2]  # [2I, H]: gate rows then up rows, SiLU
+    gate, up = view.gate_up_proj[e][:size] @ x_gate, view.gate_up_proj[e][size:] @ x_up
+    return torch.nn.functional.silu(gate) * up, lambda h: view.down_proj[e] @ h
+
+
+def _hand_block(view, x, vectors, k_main, separate, family):
+    """Per-token Compressed Experts layer output written out by hand (olmoe or gpt_oss routing)."""
     router = view.router
-    probs = torch.softmax(x @ router.weight.T, dim=-1)
-    top_w, top_i = probs.topk(view.top_k, dim=-1)
-    size = view.down_proj.shape[2]
+    if family == "gpt_oss":  # top-k on the biased logits, softmax over the selected ones
+        top_logits, top_i = (x @ router.weight.T + router.bias).topk(view.top_k, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1)
+    else:
+        top_w, top_i = torch.softmax(x @ router.weight.T, dim=-1).topk(view.top_k, dim=-1)
     rows = []
     for t in range(x.shape[0]):
         main = [(top_w[t, j], int(top_i[t, j])) for j in range(k_main)]
@@ -169,18 +184,19 @@ def _hand_block(view, x, vectors, k_main, separate):
         u_up = sum(w / total * vectors["up_input_scale"][e] for w, e in aux) if separate else u
         y = torch.zeros_like(x[t])
         for w, e in main:
-            w_gate, w_up = view.gate_up_proj[e][:size], view.gate_up_proj[e][size:]
-            hidden = torch.nn.functional.silu(w_gate @ (x[t] * u)) * (w_up @ (x[t] * u_up))
-            y = y + w * (view.down_proj[e] @ (hidden * s))
+            hidden, down = _hand_expert(view, e, x[t] * u, x[t] * u_up, family)
+            y = y + w * down(hidden * s)
         rows.append(y)
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
 @pytest.mark.parametrize("input_scaling", ["shared", "separate"])
-def test_layer_and_vector_gradients_match_a_hand_written_oracle(input_scaling):
+def test_layer_and_vector_gradients_match_a_hand_written_oracle(input_scaling, family):
     """Non-trivial vectors: the layer output and the gradients of vectors, input and expert weights equal
-    autograd through a per-token formula written out by hand (olmoe, 2 main + 2 auxiliary experts)."""
-    model = _tiny("olmoe")
+    autograd through a per-token formula written out by hand (2 main + 2 auxiliary experts; concatenated
+    SiLU experts and GPT-OSS's interleaved, biased, clamped ones)."""
+    model = _tiny(family)
     patch = moe_lab.apply(model, "compressed_experts", input_scaling=input_scaling)
     view, block = patch.views[0], patch.layers[0]
     gen = torch.Generator().manual_seed(5)
@@ -189,22 +205,23 @@ def test_layer_and_vector_gradients_match_a_hand_written_oracle(input_scaling):
             param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
     x = torch.randn(2, 9, model.config.hidden_size, generator=gen, requires_grad=True)
     upstream = torch.randn(2, 9, model.config.hidden_size, generator=gen)
-    (block(x) * upstream).sum().backward()
-    ours = {"x": x.grad.clone(), "gate_up": view.gate_up_proj.grad.clone(), "down": view.down_proj.grad.clone(),
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * upstream).sum().backward()
+    ours = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in view.expert_parameters().items()},
             "vectors": {k: torch.stack([p.grad for p in getattr(block.compressed_experts, k)])
                         for k in block.compressed_experts.stacked()}}
-    with torch.no_grad():
-        got = block(x)
 
     x2 = x.detach().clone().requires_grad_(True)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in block.compressed_experts.stacked().items()}
-    view.gate_up_proj.grad = view.down_proj.grad = None
-    y = _hand_block(view, x2.reshape(-1, x2.shape[-1]), leaves, 2, input_scaling == "separate")
-    torch.testing.assert_close(got.reshape(-1, x.shape[-1]), y.detach(), rtol=RTOL, atol=ATOL)
+    for param in view.expert_parameters().values():
+        param.grad = None
+    y = _hand_block(view, x2.reshape(-1, x2.shape[-1]), leaves, 2, input_scaling == "separate", family)
+    torch.testing.assert_close(out.detach().reshape(-1, x.shape[-1]), y.detach(), rtol=RTOL, atol=ATOL)
     (y * upstream.reshape(-1, x.shape[-1])).sum().backward()
     torch.testing.assert_close(ours["x"], x2.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ours["gate_up"], view.gate_up_proj.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ours["down"], view.down_proj.grad, rtol=1e-4, atol=1e-5)
+    for name, param in view.expert_parameters().items():
+        torch.testing.assert_close(ours[name], param.grad, rtol=1e-4, atol=1e-5, msg=name)
     for kind, grad in ours["vectors"].items():
         assert grad.abs().sum() > 0, kind
         torch.testing.assert_close(grad, leaves[kind].grad, rtol=1e-4, atol=1e-5, msg=kind)
