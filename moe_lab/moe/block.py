@@ -51,7 +51,7 @@ class ConventionalRouting:
         return logits, weights, indices
 
 
-def sparse_mixture(block: "MoEBlock", x, logits, weights, indices) -> torch.Tensor:
+def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
     """Conventional mixture: the HF packed experts run on the selected (token, expert) pairs."""
     return block.experts(x, indices, weights)
 
