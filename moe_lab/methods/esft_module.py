@@ -70,29 +70,37 @@ class ESFTLightningModule(MoELightningModule):
                                         ("scores_file", scores_file)) if v is not None]
         if len(sources) > 1:
             raise ValueError(f"ESFT selection given twice ({' and '.join(sources)}): keep one")
-        super().__init__(model, method="esft", options={**options, "experts": {}}, **kwargs)
         self.esft_config = {"score": score, "p": float(p), "score_batches": int(score_batches),
                             "normalize": bool(normalize), "average": average,
                             "selection_file": selection_file, "scores_file": scores_file}
-        self.hparams["esft"] = dict(self.esft_config)
         self.esft_scores: dict | None = None
         self.esft_info: dict = {}
         self.selection: dict[int, list[int]] | None = None
+        selection, source = None, None
         if explicit is not None:
-            self._install(normalize_selection(explicit), source="options.experts")
+            selection, source = normalize_selection(explicit), "options.experts"
         elif selection_file is not None:
             loaded = load_selection(selection_file)
             if "experts" not in loaded:
                 raise ValueError(f"selection_file={selection_file!r} has scores but no 'experts': pass it as "
                                  "scores_file to select from its scores")
             self.esft_scores = loaded.get("scores")
-            self._install(loaded["experts"], source=f"selection_file={selection_file}")
+            selection, source = loaded["experts"], f"selection_file={selection_file}"
         elif scores_file is not None:
             loaded = load_selection(scores_file)
             if "scores" not in loaded:
                 raise ValueError(f"scores_file={scores_file!r} has no 'scores'")
             self.esft_scores = loaded["scores"]
-            self._install(self._select(self.esft_scores), source=f"scores_file={scores_file}")
+            selection, source = self._select(self.esft_scores), f"scores_file={scores_file}"
+        elif kwargs.get("lora"):
+            raise ValueError("ESFT with lora needs its selection before the adapters are attached: pass "
+                             "method.selection_file=, method.scores_file= or method.options.experts= (e.g. the "
+                             "esft_selection.json of a run without lora)")
+        # a known selection is installed with the method (before any adapters); otherwise at fit start
+        super().__init__(model, method="esft", options={**options, "experts": selection or {}}, **kwargs)
+        self.hparams["esft"] = dict(self.esft_config)
+        if selection is not None:
+            self._record(normalize_selection(selection), source)
 
     # selection ----------------------------------------------------------------------------------
     def _select(self, scores) -> dict[int, list[int]]:
@@ -100,7 +108,10 @@ class ESFTLightningModule(MoELightningModule):
         return esft_select(scores, c["p"], score=c["score"], normalize=c["normalize"])
 
     def _install(self, selection: dict[int, list[int]], source: str) -> None:
-        self.selection = select_experts(self.patch, selection)
+        self._record(select_experts(self.patch, selection), source)
+
+    def _record(self, selection: dict[int, list[int]], source: str) -> None:
+        self.selection = selection
         self.esft_info["source"] = source
         self.hparams["options"]["experts"] = {int(k): list(v) for k, v in self.selection.items()}
         total = sum(len(v) for v in self.selection.values())

@@ -302,6 +302,12 @@ def test_selection_and_scores_files_skip_scoring(tmp_path):
         _esft_module(build_tiny("olmoe"), selection_file=str(tmp_path / "sel.json"), options={"experts": {0: [1]}})
     with pytest.raises(ValueError, match="method.p=0"):
         _esft_module(build_tiny("olmoe"), p=0)
+    # LoRA: the selection must be known before the adapters are attached (they then train alone)
+    with pytest.raises(ValueError, match="ESFT with lora needs its selection"):
+        _esft_module(build_tiny("olmoe"), lora={"rank": 2})
+    with_lora = _esft_module(build_tiny("olmoe"), lora={"rank": 2}, selection_file=str(tmp_path / "sel.json"))
+    trainable = [n for n, p in with_lora.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v3", "phimoe"])
