@@ -106,6 +106,8 @@ def add_lora(
         module.add_module("lora", lora)
         module.register_forward_hook(lora.hook)
         patch.lora_modules.append(module)
+    # frozen base tensors no longer train any slice: only the adapters' masks remain
+    patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
     patch.export_state_dict = lambda: merged_state_dict(patch)
 
 

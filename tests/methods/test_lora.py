@@ -103,3 +103,26 @@ def test_lora_dropout_on_linear_targets_only_in_training():
     torch.manual_seed(1)
     c = model(**batch).logits
     assert not torch.allclose(a, c)
+
+
+def test_lora_on_esft_trains_only_the_selected_experts_adapters():
+    from moe_lab.methods.base import sliced_weight_decay
+
+    model = build_tiny("olmoe").train()
+    layers = [layer.index for layer in moe_lab.apply(copy.deepcopy(model)).layers]
+    patch = moe_lab.apply(model, "esft", experts={i: [1, 4] for i in layers}, lora={"rank": 2})
+    masked = [p for p, _ in patch.expert_slice_masks.values()]
+    assert masked and all(p.requires_grad for p in masked)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    sliced_weight_decay(opt, patch.expert_slice_masks.values(), 0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n and "experts" in n}
+    for step in range(3):
+        model(**random_batch(seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        if n in before:
+            keep = [e for e in range(p.shape[0]) if e not in (1, 4)]
+            assert torch.equal(p[keep], before[n][keep]), n
+            if "lora_A" in n:
+                assert not torch.equal(p[[1, 4]], before[n][[1, 4]]), n

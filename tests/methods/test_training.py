@@ -15,7 +15,6 @@ from tests.conftest import FAMILIES, build_tiny, random_batch
 NOT_APPLICABLE = {
     ("densemixer", "phimoe"): "sparsemixer routing has its own router-gradient estimator",
     ("condenser", "phimoe"): "selection biases / forced experts are undefined for sparsemixer",
-    ("compressed_experts", "phimoe"): "sparsemixer weights are not a split-able top-k distribution",
 }
 
 
