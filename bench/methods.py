@@ -20,6 +20,7 @@ import time
 
 import torch
 import transformers
+from sft_step import train_step  # bench/ is on sys.path when run as `python bench/methods.py`
 
 import moe_lab
 from moe_lab.methods.densemixer import dense_weights
@@ -90,11 +91,9 @@ def build(method: str, base) -> torch.nn.Module:
 
 
 def step(model, optimizer, batch) -> float:
+    """One timed training step including the method's per-step hooks (e.g. condenser bias updates)."""
     start = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    train_step(model, optimizer, batch)
     model.moe_lab_patch.after_optimizer_step()
     return time.perf_counter() - start
 

@@ -82,7 +82,6 @@ def test_tiny_models_are_seeded():
 
 def test_packed_batches_count_only_real_tokens_and_train():
     from moe_lab.data.packing import packed_collate
-
     from moe_lab.methods.base import MoELightningModule
     from tests.conftest import build_tiny
 
