@@ -115,7 +115,7 @@ def choose_condensers(patch: MoEPatch, select) -> dict[int, list[int]]:
 
 def condenser_state(patch: MoEPatch) -> dict:
     """JSON-ready biases, condensers and update count per layer."""
-    return {"model_type": patch.spec.model_type, "layers": {str(layer.index): {"bias": layer.bias.tolist(), "forced_experts": layer.forced_experts,
+    return {"model_type": patch.spec.model_type, "routing": getattr(patch, "condenser_routing", {}), "layers": {str(layer.index): {"bias": layer.bias.tolist(), "forced_experts": layer.forced_experts,
                                           "updates": int(layer.bias_updates)} for layer in patch.layers}}
 
 
@@ -198,6 +198,7 @@ def install_condenser(
         _load_biases(bias_file, patch)
     if n and (experts is not None or bias_file is not None):
         choose_condensers(patch, experts if experts is not None else select)
+    patch.condenser_routing = {"bias_mode": bias_mode, "budget": budget}
     patch.bias_updater = BiasUpdater(patch, gamma, sign, center, warmup_steps if n else -1, select)
     patch.step_hooks.append(patch.update_biases)
     patch.export_hooks.append(lambda directory: save_condenser_state(patch, Path(directory) / STATE_FILE))

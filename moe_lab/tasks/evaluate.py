@@ -76,10 +76,37 @@ def load_for_eval(cfg: DictConfig):
                 "tokenizer": str(path) if has_tokenizer else model_cfg.get("tokenizer"),
             })
             labels = (run.model.name, run.method.name) if run is not None else (path.name, "export")
+            install_exported_routing(model, path)
         else:
             model, tokenizer, labels = _load_lightning_checkpoint(path, model_cfg)
     labels = (cfg.task.get("model_label") or labels[0], cfg.task.get("method_label") or labels[1])
     return model, tokenizer, labels
+
+
+def install_exported_routing(model, directory: Path):
+    """Re-install the moe-lab routing an export carries beside its vanilla weights (vanilla HF cannot
+    express it): Expert Condenser biases and condensers (``condenser.json``) or Compressed Experts' vectors.
+    Returns the patch, or None for exports with plain HF routing."""
+    import json
+
+    from ..methods.compressed_experts import CONFIG_FILE as COMPRESSED_CONFIG
+    from ..methods.compressed_experts import load_compressed_experts
+    from ..methods.condenser import STATE_FILE as CONDENSER_STATE
+    from ..methods.registry import apply
+
+    if (directory / CONDENSER_STATE).is_file():
+        state = json.loads((directory / CONDENSER_STATE).read_text())
+        layers = state["layers"]
+        n = max(len(layer["forced_experts"]) for layer in layers.values())
+        options = {"bias_file": str(directory / CONDENSER_STATE), "n": n}
+        if n == 0 or any(len(layer["forced_experts"]) != n for layer in layers.values()):
+            options = {"bias_file": options["bias_file"], "n": 0}
+        else:
+            options["experts"] = {int(i): layer["forced_experts"] for i, layer in layers.items()}
+        return apply(model, "condenser", **options, **state.get("routing", {}))
+    if (directory / COMPRESSED_CONFIG).is_file():
+        return load_compressed_experts(model, directory)
+    return None
 
 
 def _load_lightning_checkpoint(path: Path, model_cfg: dict):
@@ -93,7 +120,10 @@ def _load_lightning_checkpoint(path: Path, model_cfg: dict):
     run = _run_config(path.parent.parent)
     model, tokenizer = load_model(run.model if run is not None else model_cfg)
     hparams = checkpoint["hyper_parameters"]
-    apply(model, hparams["method"], **(hparams.get("options") or {}))
+    method, options = hparams["method"], dict(hparams.get("options") or {})
+    if method == "esft" and "experts" not in options:
+        method, options = "sft", {}  # ESFT routes conventionally; its expert selection only matters in training
+    apply(model, method, lora=hparams.get("lora") or None, **options)
     state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state, strict=True)
     model_name = run.model.name if run is not None else model_cfg["name"]

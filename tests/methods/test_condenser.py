@@ -255,3 +255,31 @@ def test_resume_restores_biases_condensers_and_step(tmp_path):
     for (bias, forced), (bias2, forced2) in zip(saved, seen["state"]):
         assert torch.equal(bias, bias2) and forced == forced2
     assert int(resumed.patch.layers[0].bias_updates) == 5
+
+
+@pytest.mark.parametrize("budget", ["replace", "append"])
+def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget):
+    import transformers
+
+    from moe_lab.tasks.evaluate import install_exported_routing
+
+    model = build_tiny("qwen3_moe").train()
+    patch = moe_lab.apply(model, "condenser", gamma=0.05, n=1, warmup_steps=2, budget=budget)
+    for seed in range(2):
+        model(**random_batch(seed=seed))
+        patch.update_biases()
+    assert patch.layers[0].forced_experts
+    model.eval()
+    batch = random_batch()
+    with torch.no_grad():
+        expected = model(**batch).logits
+    out = patch.export(tmp_path / "export")
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        plain = vanilla(**batch).logits
+    reloaded = install_exported_routing(vanilla, out)
+    assert reloaded.layers[0].forced_experts == patch.layers[0].forced_experts
+    with torch.no_grad():
+        got = vanilla(**batch).logits
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(plain, expected), "vanilla routing differs: the reinstall is what makes it equal"
