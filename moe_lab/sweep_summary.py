@@ -19,7 +19,7 @@ COLUMNS = ("job", "model", "method", "steps", "train_loss", "val_loss", "val_ppl
 def sweep_rows(sweep_dir: str | Path) -> list[dict]:
     """One row per job directory with a summary.json; ``step_ratio`` is relative to the model's sft job."""
     rows = []
-    for summary_path in sorted(Path(sweep_dir).glob("*/summary.json")):
+    for summary_path in sorted(Path(sweep_dir).glob("*/summary.json"), key=_job_order):
         summary = json.loads(summary_path.read_text())
         job = summary_path.parent.name
         val = summary.get("val/loss")
@@ -34,6 +34,12 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict]:
         if ref and ref["step_time_s"] and row["step_time_s"]:
             row["step_ratio"] = row["step_time_s"] / ref["step_time_s"]
     return rows
+
+
+def _job_order(path: Path):
+    """Hydra job number first (``10_...`` after ``9_...``), then the name."""
+    head = path.parent.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else float("inf"), path.parent.name)
 
 
 def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
