@@ -28,6 +28,7 @@ compressed experts: it runs plain top-k routing) plus ``moe_lab_compressed_exper
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -210,7 +211,7 @@ def install_compressed_experts(
         block.mixer = CompressedExpertsMixture(k_main, main_weights)
     options = {"k_main": k_main, "full_finetune": bool(full_finetune), "input_scaling": input_scaling,
                "main_weights": main_weights}
-    patch.export_hooks.append(lambda directory: save_compressed_experts(patch, directory, options))
+    patch.export_hooks.append(functools.partial(_save_beside_export, patch, options))
 
 
 # export / load --------------------------------------------------------------------------------------
@@ -233,6 +234,10 @@ def save_compressed_experts(patch: MoEPatch, directory: str | Path, options: dic
               "note": NOT_VANILLA}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     log.warning("compressed_experts export: %s", NOT_VANILLA)
+
+
+def _save_beside_export(patch: MoEPatch, options: dict, directory) -> None:
+    save_compressed_experts(patch, directory, options)
 
 
 def load_compressed_experts(model: nn.Module, directory: str | Path) -> MoEPatch:

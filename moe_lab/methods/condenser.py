@@ -14,6 +14,7 @@ Condenser biases are frozen once chosen; the others keep updating over the non-c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -201,7 +202,11 @@ def install_condenser(
     patch.condenser_routing = {"bias_mode": bias_mode, "budget": budget}
     patch.bias_updater = BiasUpdater(patch, gamma, sign, center, warmup_steps if n else -1, select)
     patch.step_hooks.append(patch.update_biases)
-    patch.export_hooks.append(lambda directory: save_condenser_state(patch, Path(directory) / STATE_FILE))
+    patch.export_hooks.append(functools.partial(_save_beside_export, patch))
+
+
+def _save_beside_export(patch: MoEPatch, directory) -> None:
+    save_condenser_state(patch, Path(directory) / STATE_FILE)
 
 
 def _check_choice(field: str, value, allowed) -> None:

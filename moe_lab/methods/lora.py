@@ -13,13 +13,15 @@ Experts' vectors) keep training. :func:`merged_state_dict` gives the merged weig
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..moe.patch import MoEPatch, _slice_grad_mask
+from ..moe.block import SliceGradMask
+from ..moe.patch import MoEPatch
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
@@ -99,7 +101,7 @@ def add_lora(
                 parametrize.register_parametrization(view.experts, name, lora, unsafe=True)
                 if mask is not None:  # ESFT: adapters only on the selected experts
                     for i, p in enumerate((lora.lora_A, lora.lora_B)):
-                        p.register_hook(_slice_grad_mask(mask))
+                        p.register_hook(SliceGradMask(mask))
                         patch.expert_slice_masks[f"{view.name}.experts.{name}.lora{i}"] = (p, mask)
     for module in _linear_targets(patch, targets):
         lora = LinearLoRA(module, rank, scale, dropout)
@@ -108,7 +110,7 @@ def add_lora(
         patch.lora_modules.append(module)
     # frozen base tensors no longer train any slice: only the adapters' masks remain
     patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
-    patch.export_state_dict = lambda: merged_state_dict(patch)
+    patch.export_state_dict = functools.partial(merged_state_dict, patch)
 
 
 def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:

@@ -24,11 +24,26 @@ def _moe_lab_router_forward(self, hidden_states):
     return self.moe_lab_policy(self, hidden_states)
 
 
+def _restore_router(hf_class: type, state: dict):
+    """Unpickle a routed router: rebuild its (dynamic) class from the HF class, then its state."""
+    router = routed_router_class(hf_class).__new__(routed_router_class(hf_class))
+    router.__setstate__(state)
+    return router
+
+
+def _reduce_router(self, protocol):
+    return _restore_router, (type(self).__mro__[1], self.__getstate__())
+
+
 def routed_router_class(hf_class: type) -> type:
-    """A subclass of the HF router class whose forward runs moe-lab routing (hooks still match it)."""
+    """A subclass of the HF router class whose forward runs moe-lab routing (hooks still match it).
+
+    Created on demand, so it pickles through :func:`_restore_router` (patched models work with
+    ``ddp_spawn`` and ``torch.save``)."""
     if hf_class not in _ROUTER_CLASSES:
         _ROUTER_CLASSES[hf_class] = type(
-            f"MoeLab{hf_class.__name__}", (hf_class,), {"forward": _moe_lab_router_forward}
+            f"MoeLab{hf_class.__name__}", (hf_class,),
+            {"forward": _moe_lab_router_forward, "__reduce_ex__": _reduce_router},
         )
     return _ROUTER_CLASSES[hf_class]
 
@@ -56,6 +71,17 @@ def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor
     return block.experts(x, indices, weights)
 
 
+class SliceGradMask:
+    """Gradient hook keeping only the gradient of the experts where ``mask`` [E] is True."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        keep = self.mask.to(grad.device).view(-1, *([1] * (grad.dim() - 1)))
+        return grad * keep
+
+
 class MoEBlock(nn.Module):
     """One MoE layer under moe-lab. Also the per-layer handle exposed as ``MoEPatch.layers``."""
 
@@ -74,6 +100,18 @@ class MoEBlock(nn.Module):
         # plain tensors, not buffers: DDP would broadcast buffers from rank 0 and overwrite local counts
         self.counts = torch.zeros(self.num_experts, dtype=torch.long)
         self.total_counts = torch.zeros(self.num_experts, dtype=torch.long)
+        self.gradient_slice_masks: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def hook_gradient_slices(self, param: nn.Parameter, mask: torch.Tensor) -> None:
+        """Zero the gradient of ``param``'s expert slices outside ``mask`` [E] (re-hooked after unpickling:
+        torch drops tensor hooks when it pickles parameters)."""
+        self.gradient_slice_masks.append((param, mask))
+        param.register_hook(SliceGradMask(mask))
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for param, mask in self.__dict__.get("gradient_slice_masks", []):
+            param.register_hook(SliceGradMask(mask))
 
     @property
     def spec(self):

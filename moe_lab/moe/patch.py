@@ -139,7 +139,7 @@ class MoEPatch:
         unknown = sorted(set(experts) - set(by_index))
         if unknown:
             raise ValueError(f"experts: layers {unknown} are not MoE layers; MoE layers are {sorted(by_index)}")
-        for view in self.views:
+        for view, block in zip(self.views, self.layers):
             ids = sorted({int(e) for e in experts.get(view.index, [])})
             bad = [e for e in ids if not 0 <= e < view.num_experts]
             if bad:
@@ -153,7 +153,7 @@ class MoEPatch:
                     param.requires_grad_(False)
                 elif not bool(mask.all()):
                     self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, mask)
-                    param.register_hook(_slice_grad_mask(mask))
+                    block.hook_gradient_slices(param, mask)
 
     def update_biases(self) -> None:
         """Expert Condenser: one router-bias update from the loads since the previous update (all-reduced
@@ -208,14 +208,6 @@ class MoEPatch:
             f"MoEPatch(family={self.spec.model_type}, method={self.method}, moe_layers="
             f"{[layer.index for layer in self.layers]}, dense_layers={self.dense_layers})"
         )
-
-
-def _slice_grad_mask(mask: torch.Tensor):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        keep = mask.to(grad.device).view(-1, *([1] * (grad.dim() - 1)))
-        return grad * keep
-
-    return hook
 
 
 def switch_aux_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:

@@ -6,6 +6,7 @@ it (:mod:`moe_lab.moe.view`). Adding a family = one entry here + one tiny config
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -143,7 +144,7 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "mixtral", "MixtralSparseMoeBlock", "gate",
-            lambda config: _softmax_rule(config, renormalize=True, cast=False),
+            functools.partial(_softmax_rule, renormalize=True, cast=False),
             jitter_field="router_jitter_noise",
             real_checkpoints=("mistralai/Mixtral-8x7B-v0.1",),
         ),
