@@ -1,4 +1,4 @@
-"""Lightning callbacks for observing MoE training: expert load and gradient norms."""
+"""Lightning callbacks for observing MoE training: expert load, gradient norms, router biases, routing drift."""
 
 from .expert_load import ExpertLoadCallback
 from .grad_norm import GradNormCallback
