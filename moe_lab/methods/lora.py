@@ -24,8 +24,8 @@ from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
-_ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                      "kv_b_proj")
+# linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
+_LINEAR_TARGET_GROUPS = {"attention": "attention", "shared_experts": "shared_experts", "dense_mlp": "other"}
 
 
 class PackedLoRA(nn.Module):
@@ -114,20 +114,12 @@ def add_lora(
 
 
 def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:
-    chosen: list[nn.Linear] = []
-    moe_blocks = {view.name for view in patch.views}
-    for name, module in patch.model.named_modules():
-        if not isinstance(module, nn.Linear) or name.endswith("lm_head"):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        in_shared = any(name.startswith(f"{b}.{a}.") for b in moe_blocks
-                        for a in (patch.spec.shared_attr, patch.spec.shared_gate_attr) if a)
-        in_moe = any(name.startswith(f"{b}.") for b in moe_blocks)
-        if ("attention" in targets and ".self_attn." in f".{name}" and leaf in _ATTENTION_LINEARS) \
-                or ("shared_experts" in targets and in_shared) \
-                or ("dense_mlp" in targets and ".mlp." in f".{name}." and not in_moe):
-            chosen.append(module)
-    return chosen
+    """The ``nn.Linear`` modules whose weight lies in a targeted parameter group (the patch's one split of
+    parameters into router, experts, shared_experts, attention, embeddings and other)."""
+    groups = patch.parameter_groups()
+    wanted = {id(p) for target in targets if target in _LINEAR_TARGET_GROUPS
+              for _, p in groups[_LINEAR_TARGET_GROUPS[target]]}
+    return [m for m in patch.model.modules() if isinstance(m, nn.Linear) and id(m.weight) in wanted]
 
 
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
