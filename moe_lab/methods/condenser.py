@@ -205,6 +205,19 @@ def install_condenser(
     patch.export_hooks.append(functools.partial(_save_beside_export, patch))
 
 
+def load_condenser(model, directory: str | Path) -> MoEPatch:
+    """Install condenser routing on ``model`` (loaded from an export) from the ``condenser.json`` saved there:
+    its biases, its condensers (if chosen) and its bias_mode / budget."""
+    from .registry import apply
+
+    path = Path(directory) / STATE_FILE
+    state = json.loads(path.read_text())
+    forced = {int(i): layer["forced_experts"] for i, layer in state["layers"].items()}
+    n = len(next(iter(forced.values()), []))
+    return apply(model, "condenser", bias_file=str(path), n=n, experts=forced if n else None,
+                 **state.get("routing", {}))
+
+
 def _save_beside_export(patch: MoEPatch, directory) -> None:
     save_condenser_state(patch, Path(directory) / STATE_FILE)
 

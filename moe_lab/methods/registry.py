@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
-from .compressed_experts import install_compressed_experts
-from .condenser import install_condenser
+from .compressed_experts import CONFIG_FILE as COMPRESSED_EXPERTS_CONFIG
+from .compressed_experts import install_compressed_experts, load_compressed_experts
+from .condenser import STATE_FILE as CONDENSER_STATE
+from .condenser import install_condenser, load_condenser
 from .densemixer import install_densemixer
 from .esft import install_esft
 from .lora import add_lora
@@ -24,6 +27,22 @@ METHODS: dict[str, Callable] = {
     "compressed_experts": install_compressed_experts,
     "condenser": install_condenser,
 }
+
+
+# files a method writes beside an export -> the loader that re-installs that method on the vanilla model
+EXPORT_LOADERS: dict[str, Callable] = {
+    CONDENSER_STATE: load_condenser,
+    COMPRESSED_EXPERTS_CONFIG: load_compressed_experts,
+}
+
+
+def install_exported_routing(model: nn.Module, directory: str | Path) -> MoEPatch | None:
+    """Re-install the moe-lab routing an export carries beside its vanilla weights (vanilla HF cannot express
+    it); returns the patch, or None for an export with plain HF routing."""
+    for filename, load in EXPORT_LOADERS.items():
+        if (Path(directory) / filename).is_file():
+            return load(model, directory)
+    return None
 
 
 def supported_methods() -> list[str]:

@@ -34,6 +34,7 @@ from ..eval.eval_sets import (
 )
 from ..eval.results import ResultsTable
 from ..eval.score import format_summary, score_choice_records, score_predictions
+from ..methods.registry import install_exported_routing
 from ..models import load_model
 from ..plain import to_plain
 
@@ -76,37 +77,11 @@ def load_for_eval(cfg: DictConfig):
                 "tokenizer": str(path) if has_tokenizer else model_cfg.get("tokenizer"),
             })
             labels = (run.model.name, run.method.name) if run is not None else (path.name, "export")
-            install_exported_routing(model, path)
+            install_exported_routing(model, path)  # condenser biases, compressed-experts vectors
         else:
             model, tokenizer, labels = _load_lightning_checkpoint(path, model_cfg)
     labels = (cfg.task.get("model_label") or labels[0], cfg.task.get("method_label") or labels[1])
     return model, tokenizer, labels
-
-
-def install_exported_routing(model, directory: Path):
-    """Re-install the moe-lab routing an export carries beside its vanilla weights (vanilla HF cannot
-    express it): Expert Condenser biases and condensers (``condenser.json``) or Compressed Experts' vectors.
-    Returns the patch, or None for exports with plain HF routing."""
-    import json
-
-    from ..methods.compressed_experts import CONFIG_FILE as COMPRESSED_CONFIG
-    from ..methods.compressed_experts import load_compressed_experts
-    from ..methods.condenser import STATE_FILE as CONDENSER_STATE
-    from ..methods.registry import apply
-
-    if (directory / CONDENSER_STATE).is_file():
-        state = json.loads((directory / CONDENSER_STATE).read_text())
-        layers = state["layers"]
-        n = max(len(layer["forced_experts"]) for layer in layers.values())
-        options = {"bias_file": str(directory / CONDENSER_STATE), "n": n}
-        if n == 0 or any(len(layer["forced_experts"]) != n for layer in layers.values()):
-            options = {"bias_file": options["bias_file"], "n": 0}
-        else:
-            options["experts"] = {int(i): layer["forced_experts"] for i, layer in layers.items()}
-        return apply(model, "condenser", **options, **state.get("routing", {}))
-    if (directory / COMPRESSED_CONFIG).is_file():
-        return load_compressed_experts(model, directory)
-    return None
 
 
 def _load_lightning_checkpoint(path: Path, model_cfg: dict):

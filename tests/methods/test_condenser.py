@@ -261,7 +261,7 @@ def test_resume_restores_biases_condensers_and_step(tmp_path):
 def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget):
     import transformers
 
-    from moe_lab.tasks.evaluate import install_exported_routing
+    from moe_lab.methods.registry import install_exported_routing
 
     model = build_tiny("qwen3_moe").train()
     patch = moe_lab.apply(model, "condenser", gamma=0.05, n=1, warmup_steps=2, budget=budget)
