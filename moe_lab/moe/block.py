@@ -154,7 +154,10 @@ class MoEBlock(nn.Module):
         x = self._jitter(hidden_states).reshape(-1, hidden)
         logits, weights, indices = getattr(self, self.spec.router_attr)(x)
         self._count(indices, batch, seq)
-        with parametrize.cached():  # LoRA-parametrized experts are merged once per forward, not per expert
+        if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
+            with parametrize.cached():
+                out = self.mixer(self, x, logits, weights, indices)
+        else:
             out = self.mixer(self, x, logits, weights, indices)
         spec = self.spec
         if spec.shared_attr is not None:

@@ -114,26 +114,16 @@ def test_distributed_sampler_shards_train_split():
 
 @needs_data
 def test_math_data_capped():
-    dm = SFTDataModule(
-        source="llm_adapters",
-        path=str(MATH_DATA),
-        num_examples=64,
-        max_length=1024,
-        batch_size=8,
-        tokenizer=build_byte_tokenizer(),
-    )
+    def capped():
+        return SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,
+                             batch_size=8, tokenizer=build_byte_tokenizer())
+
+    dm = capped()
     dm.setup()
     assert len(dm.rows["train"]) + len(dm.rows["val"]) == 64 and len(dm.rows["val"]) == 3
     _check_batch(next(iter(dm.train_dataloader())), 8, 1024)
     assert all(isinstance(a, str) and a for a in dm.gold_answers())  # numbers, or letters for AQuA rows
-    dm2 = SFTDataModule(
-        source="llm_adapters",
-        path=str(MATH_DATA),
-        num_examples=64,
-        max_length=1024,
-        batch_size=8,
-        tokenizer=build_byte_tokenizer(),
-    )
+    dm2 = capped()
     dm2.setup()
     assert dm.rows == dm2.rows
     assert all(
