@@ -129,3 +129,12 @@ def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path):
     run_py(*common, f"task.ckpt_path={first / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={second}", cwd=tmp_path)
     assert json.loads((second / "summary.json").read_text())["global_step"] == 6
     assert not list((first / "checkpoints").glob(".*.tmp"))  # atomic writes leave no partial files
+
+
+def test_lightning_log_lines_print_once_and_reach_run_log(tmp_path):
+    out = tmp_path / "run"
+    proc = run_py("debug=fast", "task.trainer.max_steps=2", "logger=none", "task.export=false",
+                  f"hydra.run.dir={out}", cwd=tmp_path)
+    console = proc.stdout + proc.stderr
+    assert console.count("`Trainer.fit` stopped") == 1
+    assert (out / "run.log").read_text().count("`Trainer.fit` stopped") == 1
