@@ -1,0 +1,10 @@
+"""Compression: calibration statistics (one teacher pass), expert scores and selection, and the weight
+surgery built on them (see specs/compression.md).
+
+Note: ``moe_lab.compress.scores`` is the scoring FUNCTION; import helpers from the module with
+``from moe_lab.compress.scores import ...`` (``import moe_lab.compress.scores as m`` yields the function).
+"""
+
+from .calibration import Calibration, calibrate
+
+__all__ = ["Calibration", "calibrate"]
