@@ -6,5 +6,7 @@ Note: ``moe_lab.compress.scores`` is the scoring FUNCTION; import helpers from t
 """
 
 from .calibration import Calibration, calibrate
+from .scores import METHODS as SCORE_METHODS
+from .scores import scores, select_experts
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "scores", "select_experts"]
