@@ -150,18 +150,22 @@ class MoEBlock(nn.Module):
         return x
 
     def forward(self, hidden_states: torch.Tensor):
+        # the branches run in the HF block's order, so that autograd accumulates the input gradient
+        # in the same order and forwards and gradients are bit-identical to vanilla HF
+        spec = self.spec
         batch, seq, hidden = hidden_states.shape
         x = self._jitter(hidden_states).reshape(-1, hidden)
-        logits, weights, indices = getattr(self, self.spec.router_attr)(x)
+        shared = getattr(self, spec.shared_attr)(x) if spec.shared_first else None
+        logits, weights, indices = getattr(self, spec.router_attr)(x)
         self._count(indices, batch, seq)
         if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():
                 out = self.mixer(self, x, logits, weights, indices)
         else:
             out = self.mixer(self, x, logits, weights, indices)
-        spec = self.spec
         if spec.shared_attr is not None:
-            shared = getattr(self, spec.shared_attr)(x)
+            if shared is None:
+                shared = getattr(self, spec.shared_attr)(x)
             if spec.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x)) * shared
             out = out + shared

@@ -24,6 +24,7 @@ class FamilySpec:
     expert_layout: str = "gate_up"  # "gate_up": [E, 2I, H] chunked; "gpt_oss": [E, H, 2I] interleaved + biases
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
+    shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
     jitter_field: str | None = None  # config field of multiplicative input jitter applied in training
@@ -62,6 +63,7 @@ def _deepseek_v2_rule(config) -> RoutingRule:
         topk_group=config.topk_group if grouped else None,
         group_score="max",
         group_fill=0.0,
+        group_masks_weights=True,
         weights_in_logits_dtype=False,
         sorted_topk=False,
     )
@@ -113,7 +115,7 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", _softmax_rule,
-            shared_attr="shared_expert", shared_gate_attr="shared_expert_gate",
+            shared_attr="shared_expert", shared_gate_attr="shared_expert_gate", shared_first=True,
             notes="sigmoid-gated shared expert; dense layers from mlp_only_layers/decoder_sparse_step",
             real_checkpoints=("Qwen/Qwen1.5-MoE-A2.7B",),
         ),

@@ -8,6 +8,7 @@ executes it. Methods that change routing (selection biases, forced experts) hook
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,9 @@ class RoutingRule:
     score: softmax | sigmoid | identity (top-k taken on raw logits) | sparsemixer (PhiMoE).
     logits_fp32: router matmul in fp32 (DeepSeek). renormalize: divide the top-k weights by their sum
     (+ renorm_eps). softmax_over_topk: softmax over the selected logits (GPT-OSS). scaling: routed
-    scaling factor. n_group/topk_group/group_score/group_fill: group-limited selection.
+    scaling factor. n_group/topk_group/group_score/group_fill: group-limited selection;
+    group_masks_weights: experts outside the kept groups weigh 0 (DeepSeek-V2 reads its weights from
+    the masked probabilities; DeepSeek-V3 from the unmasked scores).
     uses_correction_bias: add the router's ``e_score_correction_bias`` for selection only.
     weights_in_logits_dtype: cast the weights back to the logits dtype (else they stay fp32).
     """
@@ -40,6 +43,7 @@ class RoutingRule:
     topk_group: int | None = None
     group_score: str = "max"
     group_fill: float = float("-inf")
+    group_masks_weights: bool = False
     uses_correction_bias: bool = False
     weights_in_logits_dtype: bool = True
     sorted_topk: bool = True
@@ -56,11 +60,18 @@ class RoutingRule:
         if self.n_group:
             if self.num_experts % self.n_group:
                 raise ValueError(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
-            allowed = self.topk_group * (self.num_experts // self.n_group)
-            if self.top_k > allowed:
+            if not self.topk_group or not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(
-                    f"top_k={self.top_k} exceeds the {allowed} experts reachable in topk_group="
-                    f"{self.topk_group} groups: raise topk_group or lower num_experts_per_tok"
+                    f"topk_group={self.topk_group} must be between 1 and n_group={self.n_group}: "
+                    "set topk_group in the model config"
+                )
+            reachable = self.topk_group * (self.num_experts // self.n_group)
+            if self.top_k > reachable:  # HF accepts it: the rest of the top-k comes from masked scores
+                warnings.warn(
+                    f"top_k={self.top_k} exceeds the {reachable} experts reachable in topk_group="
+                    f"{self.topk_group} groups: as in HF, the remaining experts are taken from the "
+                    "masked (dropped) groups; raise topk_group or lower num_experts_per_tok to avoid it",
+                    stacklevel=2,
                 )
         if self.score == "sparsemixer" and self.top_k != 2:
             raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k=2, got {self.top_k}")
@@ -85,7 +96,17 @@ def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
-def _group_limit(rule: RoutingRule, choice: torch.Tensor) -> torch.Tensor:
+def _group_limit(
+    rule: RoutingRule, choice: torch.Tensor, scores: torch.Tensor, forced: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's group-limited selection: keep each token's ``topk_group`` best groups of ``choice``.
+
+    Returns ``(choice, scores)``: the choice with the dropped groups filled (``group_fill`` on the plain
+    scores, as HF; -inf on a biased choice so that they stay below every kept expert) and the scores the
+    weights are read from (zero outside the kept groups, forced experts excepted, where
+    ``group_masks_weights``). Top-k then runs over ALL experts, as HF, so ``top_k`` may exceed the
+    experts reachable in the kept groups.
+    """
     grouped = choice.view(-1, rule.n_group, rule.num_experts // rule.n_group)
     if rule.group_score == "max":
         group_scores = grouped.max(dim=-1).values
@@ -94,8 +115,16 @@ def _group_limit(rule: RoutingRule, choice: torch.Tensor) -> torch.Tensor:
     group_idx = torch.topk(group_scores, k=rule.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores)
     group_mask.scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, rule.num_experts)
-    return choice.masked_fill(~score_mask.bool(), rule.group_fill)
+    keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, rule.num_experts).bool()
+    masked = choice.masked_fill(~keep, rule.group_fill if choice is scores else float("-inf"))
+    has_forced = forced is not None and forced.numel() > 0
+    if not rule.group_masks_weights:
+        return masked, scores
+    if choice is scores and not has_forced:
+        return masked, masked  # HF (DeepSeek-V2): the weights are the top-k of the masked probabilities
+    if has_forced:
+        keep = keep.index_fill(1, forced.to(keep.device), True)
+    return masked, scores.masked_fill(~keep, 0.0)
 
 
 def select_topk(
@@ -126,7 +155,7 @@ def select_topk(
     if selection_bias is not None:
         choice = choice + selection_bias
     if rule.n_group:
-        choice = _group_limit(rule, choice)
+        choice, scores = _group_limit(rule, choice, scores, forced)
     if forced is not None and forced.numel():
         choice = choice.index_fill(1, forced.to(choice.device), float("inf"))
     top_choice, indices = torch.topk(choice, top_k or rule.top_k, dim=-1, sorted=rule.sorted_topk)

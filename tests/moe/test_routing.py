@@ -15,12 +15,17 @@ from tests.conftest import FAMILIES, build_tiny, tiny_model_cfg
 VARIANTS = [(f, {}) for f in FAMILIES] + [
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
     ("deepseek_v2", {"routed_scaling_factor": 16.0}),
+    # top_k beyond the kept groups (HF accepts it): V2 weighs those experts 0.0, V3 reads their scores
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1, "num_experts_per_tok": 5}),
+    ("deepseek_v3", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 8}),
+    ("deepseek_v3", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}),
     ("deepseek_v3", {"norm_topk_prob": False}),
     ("olmoe", {"norm_topk_prob": True}),
     ("qwen2_moe", {"num_experts_per_tok": 4}),
 ]
 
 
+@pytest.mark.filterwarnings("ignore:top_k=.*exceeds")
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=lambda v: str(v))
 def test_routing_equals_hf_router(family, overrides):
     model = build_tiny(family, **overrides).eval()
@@ -64,9 +69,30 @@ def test_top_k_larger_than_experts_names_the_field():
         build_config(cfg.config_class, cfg.config)
 
 
-def test_group_limit_too_tight_is_rejected():
+def test_top_k_beyond_the_kept_groups_warns_as_hf_accepts_it():
     cfg = tiny_model_cfg("deepseek_v3", num_experts_per_tok=5)
-    with pytest.raises(ValueError, match="topk_group"):
+    with pytest.warns(UserWarning, match="top_k=5 exceeds the 4 experts reachable in topk_group=1"):
+        build_config(cfg.config_class, cfg.config)
+
+
+def test_v2_experts_outside_the_kept_groups_weigh_zero():
+    """Independent check of HF's V2 rule: weights outside the kept group are 0, inside the probabilities."""
+    model = build_tiny("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=1,
+                       num_experts_per_tok=4, routed_scaling_factor=1.0)
+    view = find_moe_layers(model)[0]
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    _, weights, idx = ConventionalRouting(view)(view.router, x)
+    probs = torch.softmax(x @ view.router_weight.T, dim=-1)
+    best_group = probs.view(9, 4, 2).amax(-1).argmax(-1)
+    in_group = idx // 2 == best_group[:, None]
+    assert int(in_group.sum(-1).min()) == 2  # both experts of the kept group, then two from dropped groups
+    torch.testing.assert_close(weights[in_group], probs.gather(1, idx)[in_group], rtol=1e-6, atol=0)
+    assert torch.equal(weights[~in_group], torch.zeros(int((~in_group).sum())))
+
+
+def test_topk_group_out_of_range_names_the_field():
+    cfg = tiny_model_cfg("deepseek_v3", topk_group=3)
+    with pytest.raises(ValueError, match="topk_group=3 must be between 1 and n_group=2"):
         build_config(cfg.config_class, cfg.config)
 
 
