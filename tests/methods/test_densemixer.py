@@ -23,6 +23,8 @@ def _oracle_dense_weights(family, logits, indices, config):
     selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
     if family == "olmoe" or family == "qwen2_moe":  # softmax, no renormalisation
         return torch.softmax(logits.float(), dim=-1)
+    if family == "deepseek_v2":  # softmax, no renormalisation, routed scaling
+        return torch.softmax(logits.float(), dim=-1) * config.routed_scaling_factor
     if family == "qwen3_moe" or family == "mixtral":  # softmax, renormalised over the top-k
         p = torch.softmax(logits.float(), dim=-1)
         s = (p * selected).sum(-1, keepdim=True)
@@ -38,14 +40,21 @@ def _oracle_dense_weights(family, logits, indices, config):
     raise AssertionError(family)
 
 
-ORACLE_FAMILIES = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+ORACLE_FAMILIES = ["olmoe", "qwen3_moe", "qwen2_moe", "deepseek_v2", "mixtral", "deepseek_v3", "gpt_oss"]
 
 
+@pytest.mark.parametrize("gradient", ["straight_through", "paper_eq15"])
 @pytest.mark.parametrize("family", ORACLE_FAMILIES)
-def test_block_matches_dense_autograd_oracle(family):
+def test_block_matches_dense_autograd_oracle(family, gradient):
+    """Every family DenseMixer supports (all but sparsemixer's PhiMoE), both router-gradient estimators.
+
+    Oracle: the surrogate loss <g, y_hf> + sum_(token, e) stopgrad(A_e) * w_e, with w the dense weights
+    written out per family above and A = (1 - M_e) <g, E_e(x)> (straight-through: every expert gets
+    <g, E_e(x)>, the selected ones through HF's own sparse path) or A = w_e <g, E_e(x)> (Eq. 15:
+    (w_e + M_e) <g, E_e(x)>, the M_e part again through HF's path); E_e run by HF's packed experts."""
     vanilla = build_tiny(family).train()
     ours = copy.deepcopy(vanilla)
-    patch = moe_lab.apply(ours, "densemixer")
+    patch = moe_lab.apply(ours, "densemixer", gradient=gradient)
     block = patch.layers[0]
     hf_block = patch.views[0].block  # the vanilla block object shares the parameters ...
     hf_block = copy.deepcopy(hf_block)  # ... so the oracle gets its own copy
@@ -78,7 +87,8 @@ def test_block_matches_dense_autograd_oracle(family):
              for e in range(block.num_experts)], dim=1)
     w = _oracle_dense_weights(family, logits, indices, vanilla.config)
     inactive = torch.ones_like(w, dtype=torch.bool).scatter_(1, indices, False)
-    ((y2 * g).sum() + (w * contrib * inactive).sum()).backward()
+    coefficient = contrib * inactive if gradient == "straight_through" else contrib * w.detach()
+    ((y2 * g).sum() + (w * coefficient).sum()).backward()
 
     assert torch.equal(y1, y2), "forward value must equal the conventional top-k output bit for bit"
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
@@ -141,14 +151,113 @@ def test_model_loss_is_bit_identical_and_router_gets_more_gradient():
 
 
 def test_chunking_does_not_change_gradients():
+    """One OLMoE block, fixed input x [N, H] and upstream g: the router-weight gradient with ~1 token per
+    inactive-expert chunk equals the one with every token in one chunk, up to fp32 rounding.
+
+    Chunking changes only how BLAS blocks the rows of the (no-autograd) expert matmuls, hence the rounding
+    of each straight-through coefficient a[n, j] = <g_n, E_j(x_n)>. Standard fp32 error analysis: a chain of
+    reductions of lengths H (gate/up), I (down), H (<g, E>) and N (router gradient, summed over tokens)
+    changes each result by at most eps * (2H + I + N) times the same computation in absolute values:
+    C[n, j] = sum_i |g_ni| (|W_down| (1.1 |W_gate||x| |up| + |silu(gate)| |W_up||x| + |silu(gate)||up|))_i
+    (1.1 bounds |silu'|), through the softmax Jacobian |J| = |diag(p) - p p^T|, times |x| for the weight
+    gradient: tol = eps * (2H + I + N) * sum_n (|J_n|^T C_n) |x_n|^T."""
     base = build_tiny("olmoe").train()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, base.config.hidden_size, generator=gen)
+    g = torch.randn(40, base.config.hidden_size, generator=gen)
     grads = []
-    for budget in (1e-4, 256.0):  # ~1 token per chunk vs everything at once
+    for budget in (1e-4, 256.0):  # 1 token per chunk vs everything at once
         model = copy.deepcopy(base)
-        moe_lab.apply(model, "densemixer", memory_budget_mb=budget)
-        model(**random_batch()).loss.backward()
-        grads.append(model.model.layers[0].mlp.gate.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-8)
+        patch = moe_lab.apply(model, "densemixer", memory_budget_mb=budget)
+        block = patch.layers[0]
+        assert block.mixer.chunk_tokens == 1 if budget < 1 else block.mixer.chunk_tokens >= x.shape[0]
+        (block(x[None]) * g[None]).sum().backward()
+        grads.append(block.gate.weight.grad)
+    view = patch.views[0]
+    experts = view.experts
+    hidden, inter = view.config.hidden_size, view.down_proj.shape[2]
+    with torch.no_grad():
+        p = torch.softmax(x @ block.gate.weight.T, dim=-1)
+        bound = torch.zeros(x.shape[0], view.num_experts)
+        for j in range(view.num_experts):
+            w_gate, w_up = experts.gate_up_proj[j][:inter], experts.gate_up_proj[j][inter:]
+            gate, up = x @ w_gate.T, x @ w_up.T
+            act = torch.nn.functional.silu(gate)
+            h_abs = (1.1 * (x.abs() @ w_gate.abs().T) * up.abs() + act.abs() * (x.abs() @ w_up.abs().T)
+                     + act.abs() * up.abs())
+            bound[:, j] = (g.abs() * (h_abs @ experts.down_proj[j].abs().T)).sum(-1)
+        jacobian = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).abs()  # [N, j, e]
+        per_logit = torch.einsum("nje,nj->ne", jacobian, bound)
+        eps = torch.finfo(torch.float32).eps
+        tol = eps * (2 * hidden + inter + x.shape[0]) * (per_logit.T @ x.abs())
+    assert (grads[0] - grads[1]).abs().le(tol).all(), float(((grads[0] - grads[1]).abs() / tol).max())
+    assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ORACLE_FAMILIES)
+def test_dense_forward_conventional_gradient_ablation(family):
+    """The paper's ablation: while training, value = y_hf + sum over inactive (token, e) of w_e E_e(x) (dense
+    weights written out per family, E_e by HF's packed experts); every gradient = conventional SFT's, bit for
+    bit (same upstream g); in eval mode the value is the conventional one, bit for bit.
+
+    Value tolerance: the dense sum adds E - k terms to HF's output in another order, each term a chain of
+    reductions of lengths H and I: eps * (2H + I + E) * (|y_hf| + sum_e |w_e| |E_e(x)|)."""
+    vanilla = build_tiny(family).train()
+    conventional, ours = copy.deepcopy(vanilla), copy.deepcopy(vanilla)
+    p_conv = moe_lab.apply(conventional, "sft")
+    patch = moe_lab.apply(ours, "densemixer", forward="dense", gradient="conventional")
+    block, view = patch.layers[0], patch.views[0]
+    hidden = vanilla.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, hidden, generator=gen)
+    g = torch.randn(2, 7, hidden, generator=gen)
+    outs, inputs = [], []
+    for layer in (p_conv.layers[0], block):
+        x1 = x.clone().requires_grad_(True)
+        y = layer(x1)
+        y = y[0] if isinstance(y, tuple) else y
+        (y * g).sum().backward()
+        outs.append(y.detach())
+        inputs.append(x1.grad)
+    assert torch.equal(inputs[0], inputs[1])
+    conv_params = dict(p_conv.layers[0].named_parameters())
+    for name, param in block.named_parameters():
+        ref = conv_params[name].grad
+        assert (param.grad is None and ref is None) or torch.equal(param.grad, ref), name
+
+    flat = x.reshape(-1, hidden)
+    with torch.no_grad():
+        router = getattr(view.block, patch.spec.router_attr)
+        logits = torch.nn.functional.linear(flat.float() if family.startswith("deepseek") else flat,
+                                            router.weight, getattr(router, "bias", None))
+        _, _, indices = router(flat)
+        w = _oracle_dense_weights(family, logits, indices, vanilla.config)
+        inactive = torch.ones_like(w, dtype=torch.bool).scatter_(1, indices, False)
+        expert_out = torch.stack([_hf_expert_output(view.experts, flat, e) for e in range(view.num_experts)], 1)
+        terms = w[..., None] * inactive[..., None] * expert_out  # [N, E, H]
+        expected = outs[0].reshape(-1, hidden) + terms.sum(1)
+        eps = torch.finfo(torch.float32).eps
+        length = 2 * hidden + view.down_proj.shape[-1] + view.num_experts
+        tol = eps * length * (outs[0].reshape(-1, hidden).abs() + (w[..., None] * expert_out).abs().sum(1))
+    got = outs[1].reshape(-1, hidden)
+    assert (got - expected).abs().le(tol).all()
+    assert (got - outs[0].reshape(-1, hidden)).abs().max() > 1e3 * tol.max(), "the dense value must differ"
+    block.eval(), p_conv.layers[0].eval()
+    with torch.no_grad():
+        evaluated = [layer(x) for layer in (p_conv.layers[0], block)]
+    evaluated = [e[0] if isinstance(e, tuple) else e for e in evaluated]
+    assert torch.equal(evaluated[0], evaluated[1])
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"gradient": "ste"}, r"method.options.gradient='ste' is not one of"),
+    ({"forward": "full"}, r"method.options.forward='full' is not one of"),
+    ({"gradient": "conventional"}, "is method=sft"),
+    ({"forward": "dense"}, "ablation with gradient=conventional"),
+])
+def test_bad_variants_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        moe_lab.apply(build_tiny("olmoe"), "densemixer", **options)
 
 
 def test_rejects_sparsemixer_and_bad_budget():
