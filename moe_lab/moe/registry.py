@@ -14,6 +14,39 @@ from .routing import RoutingRule
 
 
 @dataclass(frozen=True)
+class DenseTarget:
+    """The vanilla HF architecture a family's MoE -> dense conversion writes (``moe_lab.compress.dense``).
+
+    form: ``"mlp"`` = a dense class whose every decoder layer has one gated MLP (gate_proj/up_proj/down_proj)
+    of the common width, shared experts concatenated into it and teacher dense layers zero-padded; or
+    ``"one_expert"`` = the family's own class with ONE routed expert of width k*I that every token selects
+    with weight 1.0 (softmax / top-k over one logit), router zeroed, shared experts (and their gates) kept.
+    config_class: transformers config class of the target (None = the teacher's). overrides(config, width):
+    the target config fields that differ from the teacher's.
+    """
+
+    form: str
+    overrides: Callable[[object, int], dict]
+    config_class: str | None = None
+    note: str = ""
+
+
+def _dense_mlp(config, width) -> dict:
+    return {"intermediate_size": width}
+
+
+def _dense_deepseek(config, width) -> dict:
+    return {"intermediate_size": width, "first_k_dense_replace": config.num_hidden_layers}
+
+
+def _one_expert(width_field: str, count_field: str):
+    def overrides(config, width) -> dict:
+        return {width_field: width, count_field: 1, "num_experts_per_tok": 1}
+
+    return overrides
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What distinguishes one HF MoE family (transformers v5)."""
 
@@ -31,6 +64,7 @@ class FamilySpec:
     jitter_passes: int = 1  # how many times the HF block applies that jitter
     notes: str = ""
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
+    dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -44,10 +78,14 @@ def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
 
 
 def _num_experts(config) -> int:
+    return int(getattr(config, expert_count_field(config)))
+
+
+def expert_count_field(config) -> str:
+    """The HF config field holding the number of routed experts (num_experts | num_local_experts | ...)."""
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
+        if getattr(config, name, None):
+            return name
     raise ValueError(f"{type(config).__name__} has no expert count field")
 
 
@@ -112,17 +150,22 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "olmoe", "OlmoeSparseMoeBlock", "gate", _softmax_rule,
             real_checkpoints=("allenai/OLMoE-1B-7B-0924",),
+            dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_experts"),
+                                     note="no dense class has OLMoE's full-width q/k-norm: one-expert OLMoE"),
         ),
         FamilySpec(
             "qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", _softmax_rule,
             shared_attr="shared_expert", shared_gate_attr="shared_expert_gate", shared_first=True,
             notes="sigmoid-gated shared expert; dense layers from mlp_only_layers/decoder_sparse_step",
             real_checkpoints=("Qwen/Qwen1.5-MoE-A2.7B",),
+            dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts"),
+                                     note="keeps the sigmoid-gated shared expert exactly: one-expert Qwen2-MoE"),
         ),
         FamilySpec(
             "qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", _softmax_rule,
             notes="renormalised top-k; dense layers from mlp_only_layers",
             real_checkpoints=("Qwen/Qwen3-30B-A3B",),
+            dense_target=DenseTarget("mlp", _dense_mlp, "Qwen3Config"),
         ),
         FamilySpec(
             "deepseek_v2", "DeepseekV2Moe", "gate", _deepseek_v2_rule,
@@ -130,6 +173,7 @@ FAMILIES: dict[str, FamilySpec] = {
             notes="greedy or group-limited greedy top-k, routed scaling, first_k_dense_replace dense layers; "
             "HF computes no aux loss",
             real_checkpoints=("deepseek-ai/DeepSeek-V2-Lite",),
+            dense_target=DenseTarget("mlp", _dense_deepseek),
         ),
         FamilySpec(
             "deepseek_v3", "DeepseekV3MoE", "gate", _deepseek_v3_rule,
@@ -137,18 +181,22 @@ FAMILIES: dict[str, FamilySpec] = {
             notes="sigmoid scores, e_score_correction_bias for selection, group-limited (top-2 sum) top-k; "
             "HF computes no aux loss",
             real_checkpoints=("deepseek-ai/DeepSeek-V3",),
+            dense_target=DenseTarget("mlp", _dense_deepseek),
         ),
         FamilySpec(
             "gpt_oss", "GptOssMLP", "router", _gpt_oss_rule, expert_layout="gpt_oss",
             returns_router_scores=True,
             notes="top-k on biased logits, softmax over the top-k, clamped SwiGLU with expert biases",
             real_checkpoints=("openai/gpt-oss-20b",),
+            dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts"),
+                                     note="GPT-OSS activation and biases: one-expert GPT-OSS"),
         ),
         FamilySpec(
             "mixtral", "MixtralSparseMoeBlock", "gate",
             functools.partial(_softmax_rule, renormalize=True, cast=False),
             jitter_field="router_jitter_noise",
             real_checkpoints=("mistralai/Mixtral-8x7B-v0.1",),
+            dense_target=DenseTarget("mlp", _dense_mlp, "MistralConfig"),
         ),
         FamilySpec(
             "phimoe", "PhimoeSparseMoeBlock", "router", _phimoe_rule,
