@@ -233,11 +233,10 @@ def empty_stats(view: MoELayerView) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, seq_id: torch.Tensor, inv_len: torch.Tensor,
-               chunk_tokens: int) -> None:
-    """Add the statistics of real tokens ``x`` [N, H] (their sequence ids and 1/L_j) to ``stats``."""
+def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, logits: torch.Tensor, seq_id: torch.Tensor,
+               inv_len: torch.Tensor, chunk_tokens: int) -> None:
+    """Add the statistics of real tokens ``x`` [N, H] (router ``logits`` [N, E], sequence ids, 1/L_j)."""
     dev = x.device
-    logits = router_logits(view.rule, x, view.router_weight, view.router_bias)
     p = routing_probabilities(view, logits).double()
     weights, indices = select_topk(view.rule, logits, False, view.correction_bias)
     E = view.num_experts
@@ -288,13 +287,16 @@ class _Recorder:
             batch, seq, H = hidden.shape
             mask = self.context.token_mask(batch, seq)
             x = hidden.reshape(-1, H)
+            # logits on the whole block input, as the HF block computes them (GEMM rounding depends on the
+            # row count, and threshold rules such as sparsemixer are sensitive to the last bit)
+            logits = router_logits(view.rule, x, view.router_weight, view.router_bias)
             rows = torch.arange(batch, device=x.device).repeat_interleave(seq)
             if mask is not None:
                 mask = mask.to(x.device)
-                x, rows = x[mask], rows[mask]
+                x, logits, rows = x[mask], logits[mask], rows[mask]
             lengths = torch.bincount(rows, minlength=batch)
             inv_len = 1.0 / lengths.double()[rows]
-            accumulate(view, self.layers[view.index], x, rows, inv_len, self.chunk_tokens[view.index])
+            accumulate(view, self.layers[view.index], x, logits, rows, inv_len, self.chunk_tokens[view.index])
         return pre_hook
 
 
