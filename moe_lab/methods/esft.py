@@ -13,17 +13,24 @@ arXiv:2407.01906, code github.com/deepseek-ai/ESFT).
 3. Train only the selected routed experts (slices of the packed expert tensors); router, attention,
    norms, shared experts, embeddings, lm_head and dense-layer MLPs stay frozen unless a ``train_*``
    flag unfreezes them (``moe_lab.apply(model, "esft", experts=...)``).
+
+Unselected expert slices stay bit-identical under ANY torch optimizer, also outside Lightning (e.g.
+``torch.optim.AdamW(model.parameters(), lr=...)`` with its default weight_decay=0.01, a TRL loop): their
+gradients are zeroed by hooks, and :class:`FrozenSliceGuard` (torch's global optimizer step hooks) copies
+them before every step that could move them and writes them back after it (see its docstring).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
@@ -276,7 +283,81 @@ def select_experts(patch: MoEPatch, experts: Mapping) -> dict[int, list[int]]:
             param.requires_grad_(trained)
     patch.restrict_expert_training(selection)
     patch._esft_selected = bool(selection)
+    if patch.expert_slice_masks:
+        guard = FrozenSliceGuard(patch.expert_slice_masks.values())
+        patch.frozen_slice_guard = guard
+        for block in patch.layers:  # the model owns it: it lives as long as the blocks, patch kept or not
+            block.frozen_slice_guard = guard
     return selection
+
+
+# frozen slices under any optimizer -----------------------------------------------------------------
+# optimizers whose step leaves an entry with zero gradient (and so zero state) exactly unchanged when its
+# param group has weight_decay == 0 (checked against torch's implementations: every update is a multiple of
+# the gradient or of state built from it). Any other optimizer (ASGD decays every entry, Muon
+# orthogonalises whole matrices, ...) or any non-zero weight decay gets the copy/restore.
+_EXACT_AT_ZERO_DECAY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                        torch.optim.Adamax, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+                        torch.optim.Rprop)
+_GUARDS: weakref.WeakSet = weakref.WeakSet()
+_HOOKS: list = []
+
+
+class FrozenSliceGuard:
+    """Keeps the untrained expert slices of packed tensors bit-identical across every optimizer step.
+
+    Registered in torch's GLOBAL optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``
+    / ``_post_hook``), so it covers optimizers built anywhere, after or before ``moe_lab.apply``. Before a step
+    it copies the frozen slices of each masked tensor the optimizer holds, unless that tensor's param group
+    has ``weight_decay == 0`` and the optimizer is one of ``_EXACT_AT_ZERO_DECAY`` (zero gradient -> no
+    change, exactly; the moe-lab Lightning module puts masked tensors in such a group and decays their trained
+    slices itself, so it pays no copy); after the step it writes them back. Cost where it copies: one copy
+    of the frozen slices per step (memory and bandwidth). Lives as long as the MoE blocks that hold it.
+    """
+
+    def __init__(self, slices):
+        self.slices = [(param, mask) for param, mask in slices]
+        self._saved: dict[int, list] = {}
+        self._register()
+
+    def _register(self) -> None:
+        _GUARDS.add(self)
+        if not _HOOKS:
+            _HOOKS.extend([register_optimizer_step_pre_hook(_save_frozen_slices),
+                           register_optimizer_step_post_hook(_restore_frozen_slices)])
+
+    def __getstate__(self):
+        return {"slices": self.slices}
+
+    def __setstate__(self, state):  # unpickled (ddp_spawn, torch.save): register in this process
+        self.slices, self._saved = state["slices"], {}
+        self._register()
+
+    def save(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        saved = []
+        for param, mask in self.slices:
+            group = groups.get(id(param))
+            if group is None or (type(optimizer) in _EXACT_AT_ZERO_DECAY and not group.get("weight_decay", 1.0)):
+                continue
+            frozen = (~mask).nonzero().squeeze(-1).to(param.device)
+            saved.append((param, frozen, param.detach().index_select(0, frozen)))
+        self._saved[id(optimizer)] = saved
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for param, frozen, values in self._saved.pop(id(optimizer), []):
+                param.index_copy_(0, frozen, values)
+
+
+def _save_frozen_slices(optimizer, args, kwargs) -> None:
+    for guard in list(_GUARDS):
+        guard.save(optimizer)
+
+
+def _restore_frozen_slices(optimizer, args, kwargs) -> None:
+    for guard in list(_GUARDS):
+        guard.restore(optimizer)
 
 
 def normalize_selection(experts: Mapping) -> dict[int, list[int]]:
