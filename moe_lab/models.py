@@ -37,6 +37,16 @@ def validate_config(config) -> None:
         raise ValueError(f"model.config ({config.model_type}): {err}") from None
 
 
+def keep_fp32_buffers(model) -> None:
+    """Floating buffers HF keeps in fp32 whatever the load dtype (``_keep_in_fp32_modules_strict``, e.g. the
+    DeepSeek-V3 routing correction bias) back to fp32: ``from_config(dtype=bf16)`` does not honour it."""
+    names = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32 and key in names:
+                module._buffers[key] = buf.float()
+
+
 def load_model(model_cfg, tokenizer=None):
     """``(model, tokenizer)`` from a ``conf/model`` entry.
 
@@ -74,6 +84,7 @@ def load_model(model_cfg, tokenizer=None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.get("seed") or 0))
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        keep_fp32_buffers(model)
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
