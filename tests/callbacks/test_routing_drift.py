@@ -333,17 +333,26 @@ class LazyCondenser(L.LightningModule):
 
 
 class DumpRankState(L.Callback):
-    """Each rank saves its probe batch, final biases and condensers at the end of training."""
+    """Each rank saves its probe batch, final biases and condensers, its baseline routing of the probe and
+    its routing of it now (what the drift callback compared at the last step), and its thread count."""
 
     def __init__(self, out_dir, drift):
         self.out_dir, self.drift = str(out_dir), drift
 
     def on_train_end(self, trainer, pl_module):
+        now = capture_routing(pl_module, self.drift.probe, trainer.precision_plugin.val_step_context)
         torch.save(
             {"probe": self.drift.probe, "bias": [layer.bias.clone() for layer in pl_module.patch.layers],
-             "forced": [layer.forced_experts for layer in pl_module.patch.layers]},
+             "forced": [layer.forced_experts for layer in pl_module.patch.layers],
+             "baseline": [snap.to_dict() for snap in self.drift.baseline],
+             "now": [snap.to_dict() for snap in now], "threads": torch.get_num_threads()},
             f"{self.out_dir}/rank{trainer.global_rank}.pt",
         )
+
+
+def _assert_same_routing(got: RoutingSnapshot, expected: RoutingSnapshot, what: str):
+    for name, value in expected.to_dict().items():
+        assert torch.equal(getattr(got, name), value), f"{what}: {name}"
 
 
 @pytest.mark.slow
@@ -376,23 +385,43 @@ def test_ddp_drift_is_that_of_the_union_of_rank_probes_and_rank_zero_writes(tmp_
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["bias"], ranks[1]["bias"]))
     assert ranks[0]["forced"] == ranks[1]["forced"] and all(len(f) == 1 for f in ranks[0]["forced"])
 
-    # one process, the union of both ranks' probes: base routing vs routing with the final biases
-    import moe_lab
+    # the logged drift is that of the union of both ranks' probes: the statistics of the ranks' own routings
+    # (baseline and final), concatenated in one process. Both sides start from the same float32
+    # log-probabilities; only the float64 summation order differs (rank sums added vs one sum over the
+    # union): at most n_tokens * eps64 relative for these non-negative per-token terms, ~5e-15 here.
+    def union_of(key):
+        return [RoutingSnapshot.cat([RoutingSnapshot(**r[key][i]) for r in ranks]) for i in range(2)]
 
-    model = build_tiny("olmoe")
-    patch = moe_lab.apply(model, "condenser", **DDP_OPTIONS)
-    holder = types.SimpleNamespace(model=model, patch=patch)
-    union = ranks[0]["probe"] + ranks[1]["probe"]
-    base = capture_routing(holder, union)
-    for layer, bias, forced in zip(patch.layers, ranks[0]["bias"], ranks[0]["forced"]):
-        layer.bias.copy_(bias)
-        layer.forced_expert_ids.copy_(torch.tensor(forced))
-    now = capture_routing(holder, union)
+    base, now = union_of("baseline"), union_of("now")
     (metrics_csv,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
     rows = read_csv_metrics(metrics_csv)
     for i, (b, n) in enumerate(zip(base, now)):
         for name, value in drift_means(drift_sums(b, n)).items():
-            assert metric_by_step(rows, f"drift/layer{i}/{name}")[3] == pytest.approx(value, rel=1e-9), name
+            assert metric_by_step(rows, f"drift/layer{i}/{name}")[3] == pytest.approx(value, rel=1e-12), name
+
+    # those routings are the base model's and the final biases' and condensers': one process routes the
+    # union of the probes bit for bit as the ranks did. Same operations on the same inputs give the same bits
+    # once the intra-op thread count is the ranks' (Lightning sets cpus // 2 in each spawned process; a
+    # different count may split float32 reductions differently on some CPUs).
+    import moe_lab
+
+    assert ranks[0]["threads"] == ranks[1]["threads"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ranks[0]["threads"])
+    try:
+        model = build_tiny("olmoe")
+        patch = moe_lab.apply(model, "condenser", **DDP_OPTIONS)
+        holder = types.SimpleNamespace(model=model, patch=patch)
+        union = ranks[0]["probe"] + ranks[1]["probe"]
+        for got, expected in zip(capture_routing(holder, union), base):
+            _assert_same_routing(got, expected, "baseline")
+        for layer, bias, forced in zip(patch.layers, ranks[0]["bias"], ranks[0]["forced"]):
+            layer.bias.copy_(bias)
+            layer.forced_expert_ids.copy_(torch.tensor(forced))
+        for got, expected in zip(capture_routing(holder, union), now):
+            _assert_same_routing(got, expected, "final routing")
+    finally:
+        torch.set_num_threads(threads)
 
     # rank zero alone wrote the bias trajectory; its last row holds the final biases
     plots = tmp_path / "plots"
