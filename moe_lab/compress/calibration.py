@@ -33,8 +33,8 @@ f_e(t) is the UNWEIGHTED output of routed expert e on the MoE-block input x(t) (
 before norms and inner products). Sequence j = one batch row; L_j its real-token count.
 
 ``Calibration.manifest`` keys: model (name_or_path), revision, model_type, num_hidden_layers, moe_layers,
-num_experts, top_k, hidden_size, moe_intermediate_size, data {source, sha256 (chained over the token ids and
-masks of every batch)}, num_sequences, seq_len, tokens, dtype, p_definition, format_version, complete,
+num_experts, top_k, hidden_size, moe_intermediate_size, data {source, sha256 (chained over the real token ids of
+every sequence, independent of batching)}, num_sequences, seq_len, tokens, dtype, p_definition, format_version, complete,
 batches_done.
 """
 
@@ -301,12 +301,15 @@ class _Recorder:
 
 
 def _batch_digest(previous: str, batch: dict) -> str:
-    h = hashlib.sha256(previous.encode())
-    for key in ("input_ids", "attention_mask"):
-        if batch.get(key) is not None:
-            h.update(key.encode())
-            h.update(batch[key].detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
-    return h.hexdigest()
+    """sha256 chained over the real tokens of every sequence (independent of batching and pad content)."""
+    ids = batch["input_ids"].detach().cpu().to(torch.int64)
+    mask = batch.get("attention_mask")
+    for row in range(ids.shape[0]):
+        real = ids[row] if mask is None else ids[row][mask[row].detach().cpu().bool()]
+        h = hashlib.sha256(previous.encode())
+        h.update(real.contiguous().numpy().tobytes())
+        previous = h.hexdigest()
+    return previous
 
 
 @torch.no_grad()

@@ -236,3 +236,40 @@ def test_missing_and_nonfinite_statistics_are_named():
         cal.require("sq_norm")
     with pytest.raises(ValueError, match="no batches"):
         calibrate(build_tiny("olmoe"), [])
+
+
+def _compose(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=["task=calibrate", f"paths.output_dir={tmp_path}", *overrides])
+
+
+def test_calibrate_task_on_local_text(tmp_path):
+    from moe_lab.models import load_model
+    from moe_lab.tasks import run_task
+
+    text = tmp_path / "wiki.train.txt"
+    gen = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer"]
+    text.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (40,), generator=gen))
+                              for _ in range(30)))
+    cfg = _compose(tmp_path, "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
+                   "compress.calibration.num_sequences=5", "compress.calibration.seq_len=16",
+                   "compress.calibration.batch_size=2", "compress.calibration.save_every=1")
+    assert cfg.compress.calibration.dataset._target_.endswith("TextBlockDataModule")
+    summary = run_task(cfg)
+    cal = Calibration.load(summary["calibration"])
+    assert cal.manifest["tokens"] == 80 and cal.manifest["num_sequences"] == 5 and cal.manifest["seq_len"] == 16
+    assert str(text) in cal.manifest["data"]["source"] and cal.manifest["model_config"] == "tiny_mixtral"
+    assert not (tmp_path / "calibration.partial.safetensors").exists()
+    model, _ = load_model(cfg.model)
+    cal.check_compatible(model)
+    again = run_task(_compose(tmp_path / "again", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
+                              "compress.calibration.num_sequences=5", "compress.calibration.seq_len=16"))
+    assert Calibration.load(again["calibration"]).manifest["data"] == cal.manifest["data"]
+    with pytest.raises(ValueError, match="compress.calibration.num_sequences=500"):
+        run_task(_compose(tmp_path / "big", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
+                          "compress.calibration.num_sequences=500", "compress.calibration.seq_len=16"))

@@ -1,0 +1,98 @@
+"""task=calibrate: one streamed pass of the unmodified model over calibration text, saved as one file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from ..compress.calibration import calibrate
+from ..models import load_model
+
+log = logging.getLogger(__name__)
+
+
+def _positive(c, key: str) -> int:
+    value = c.get(key)
+    if value is None or int(value) <= 0:
+        raise ValueError(f"compress.calibration.{key}={value} must be a positive integer")
+    return int(value)
+
+
+def calibration_sequences(dataset_cfg: DictConfig, tokenizer, c) -> tuple[list[dict], str]:
+    """Batches of calibration sequences from any ``conf/dataset`` entry, and a source label.
+
+    Text datasets give ``num_sequences`` blocks of ``seq_len`` tokens (sampled with ``seed`` from the pool,
+    or the first ones); other datamodules give their first ``num_sequences`` training rows as they pad them.
+    """
+    n, seq_len, batch_size = (_positive(c, k) for k in ("num_sequences", "seq_len", "batch_size"))
+    if c.sample not in ("random", "first"):
+        raise ValueError(f"compress.calibration.sample={c.sample!r}: choose random or first")
+    dm = instantiate(dataset_cfg, tokenizer=tokenizer)
+    label = f"{dataset_cfg.get('path')}"
+    if dataset_cfg.get("name"):
+        label += f" ({dataset_cfg.name})"
+    if hasattr(dm, "read_blocks"):
+        dm.block_size = seq_len
+        pool = c.pool_blocks
+        if c.sample == "first":
+            pool = n
+        elif pool is None and getattr(dm, "streaming", False):
+            pool = 4 * n
+        blocks = dm.read_blocks(dm.split, None if pool is None else int(pool))
+        if len(blocks) < n:
+            raise ValueError(f"{label} gives {len(blocks)} blocks of {seq_len} tokens, fewer than "
+                             f"compress.calibration.num_sequences={n}: lower it (or seq_len), or add data")
+        if c.sample == "random":
+            blocks = blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(int(c.seed)))[:n]]
+        else:
+            blocks = blocks[:n]
+        label += f" split={dm.split}, {n} x {seq_len}-token blocks, sample={c.sample}, seed={c.seed}"
+        return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(batch_size)], label
+    dm.setup("fit")
+    batches, rows = [], 0
+    for batch in dm.train_dataloader():
+        take = min(n - rows, batch["input_ids"].shape[0])
+        batches.append({k: batch[k][:take] for k in ("input_ids", "attention_mask")})
+        rows += take
+        if rows == n:
+            break
+    if rows < n:
+        raise ValueError(f"{label} has {rows} training rows, fewer than compress.calibration.num_sequences={n}")
+    return batches, label + f" train rows, first {n}"
+
+
+def calibrate_task(cfg: DictConfig) -> dict:
+    """Calibrate ``cfg.model`` on ``cfg.compress.calibration.dataset``; write ``calibration.safetensors`` and ``summary.json``."""
+    out = Path(cfg.paths.output_dir)
+    c = cfg.compress.calibration
+    model, tokenizer = load_model(cfg.model)
+    batches, source = calibration_sequences(c.dataset, tokenizer, c)
+    partial = out / "calibration.partial.safetensors"
+    resume = c.resume_from or (partial if partial.is_file() else None)
+    if resume is not None:
+        log.info("resuming calibration from %s", resume)
+    start = time.time()
+
+    def progress(done: int, tokens: int) -> None:
+        log.info("calibration: %d/%d batches, %d tokens, %.1f s", done, len(batches), tokens, time.time() - start)
+
+    cal = calibrate(
+        model, batches, max_chunk_tokens=int(c.max_chunk_tokens), memory_budget_mb=float(c.memory_budget_mb),
+        progress=progress, resume_from=resume, partial_path=partial, save_every=int(c.save_every),
+        data_source=source, manifest_extra={"model_config": cfg.model.name},
+    )
+    path = cal.save(c.output or out / "calibration.safetensors")
+    partial.unlink(missing_ok=True)
+    summary = {"calibration": str(path), "model": cal.manifest["model"], "tokens": cal.manifest["tokens"],
+               "num_sequences": cal.manifest["num_sequences"], "moe_layers": cal.manifest["moe_layers"],
+               "data": cal.manifest["data"], "wall_time_s": round(time.time() - start, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"==== moe-lab calibrate: {cal.manifest['tokens']} tokens, {len(cal.layers)} MoE layers -> {path}",
+          flush=True)
+    return summary
