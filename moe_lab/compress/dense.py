@@ -4,7 +4,7 @@ the k representatives (shared experts first, unscaled) into one dense FFN; write
 architecture named by the family registry (``FamilySpec.dense_target``).
 
 ``to_dense(model, calibration, score=, grouping=, scaling=, K=)`` returns the student;
-``export_dense(student, tokenizer, path)`` writes save_pretrained + tokenizer + ``compress_manifest.json``.
+``export_compressed(student, path, tokenizer)`` writes save_pretrained + tokenizer + ``compress_manifest.json``.
 :class:`DenseBuilder` keeps one student skeleton and rewrites only its FFNs (used by sweeps).
 """
 
@@ -175,8 +175,15 @@ def target_config(config, width: int):
         values = {k: v for k, v in values.items() if k in known}
     else:
         cls = type(config)
-    values.update(target.overrides(config, width))
+    values.update(canonical(config, target.overrides(config, width)))
     return cls(**values)
+
+
+def canonical(config, fields: dict) -> dict:
+    """``fields`` with aliased names (``config.attribute_map``, e.g. num_experts -> num_local_experts) resolved
+    to the names ``config.to_dict()`` uses, so that they override its values."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    return {aliases.get(k, k): v for k, v in fields.items()}
 
 
 def _sibling(path: str, layer: int) -> str:
@@ -288,8 +295,9 @@ def manifest(calibration: Calibration, knobs: dict, plans: dict[int, LayerPlan])
             "layers": {str(i): p.to_json() for i, p in plans.items()}}
 
 
-def export_dense(student: nn.Module, path, tokenizer=None) -> Path:
-    """save_pretrained + tokenizer + the conversion manifest; loads with vanilla AutoModelForCausalLM."""
+def export_compressed(student: nn.Module, path, tokenizer=None) -> Path:
+    """save_pretrained + tokenizer + the compression manifest (``compress_manifest.json``) of a converted or
+    pruned model; the directory loads with vanilla AutoModelForCausalLM."""
     path = Path(path)
     student.save_pretrained(path)
     if tokenizer is not None:

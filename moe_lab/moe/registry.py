@@ -60,11 +60,16 @@ class FamilySpec:
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
+    # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
+    # sequence-wise loss, added by moe-lab) | "switch" (Switch loss added by moe-lab)
+    aux_loss: str = "hf"
+    native_aux_loss_coef: float = 0.0  # native coefficient when the config has no aux_loss_field
     jitter_field: str | None = None  # config field of multiplicative input jitter applied in training
     jitter_passes: int = 1  # how many times the HF block applies that jitter
     notes: str = ""
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
     dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
+    vanilla_top_k: int | None = None  # HF's block always routes this many experts, whatever num_experts_per_tok
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -169,17 +174,22 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v2", "DeepseekV2Moe", "gate", _deepseek_v2_rule,
-            shared_attr="shared_experts", aux_loss_field=None,
+            shared_attr="shared_experts", aux_loss="sequence", aux_loss_field="aux_loss_alpha",
+            native_aux_loss_coef=0.001,
             notes="greedy or group-limited greedy top-k, routed scaling, first_k_dense_replace dense layers; "
-            "HF computes no aux loss",
+            "HF computes no aux loss: moe-lab adds DeepSeek-V2's sequence-wise expert balance loss (seq_aux) at "
+            "the checkpoint's aux_loss_alpha (DeepSeek-V2-Lite config.json and paper: 0.001; HF's config class "
+            "has no such field, hence the fallback)",
             real_checkpoints=("deepseek-ai/DeepSeek-V2-Lite",),
             dense_target=DenseTarget("mlp", _dense_deepseek),
         ),
         FamilySpec(
             "deepseek_v3", "DeepseekV3MoE", "gate", _deepseek_v3_rule,
-            shared_attr="shared_experts", aux_loss_field=None,
+            shared_attr="shared_experts", aux_loss="sequence", aux_loss_field=None,
             notes="sigmoid scores, e_score_correction_bias for selection, group-limited (top-2 sum) top-k; "
-            "HF computes no aux loss",
+            "HF computes no aux loss and the checkpoint's remote code trains none (noaux_tc: balance by the "
+            "correction bias): native coefficient 0; an explicit aux_loss_coef adds the V3 paper's "
+            "complementary sequence-wise loss (normalised sigmoid affinities; the paper uses 1e-4)",
             real_checkpoints=("deepseek-ai/DeepSeek-V3",),
             dense_target=DenseTarget("mlp", _dense_deepseek),
         ),
@@ -200,7 +210,7 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "phimoe", "PhimoeSparseMoeBlock", "router", _phimoe_rule,
-            jitter_field="input_jitter_noise", jitter_passes=2,
+            jitter_field="input_jitter_noise", jitter_passes=2, vanilla_top_k=2,
             notes="sparsemixer top-2 (Gumbel sampling in training, Heun's third-order gradient)",
             real_checkpoints=("microsoft/Phi-3.5-MoE-instruct",),
         ),

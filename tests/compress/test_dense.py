@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from moe_lab.compress import calibrate
-from moe_lab.compress.dense import DenseBuilder, LayerPlan, export_dense, to_dense
+from moe_lab.compress.dense import DenseBuilder, LayerPlan, export_compressed, to_dense
 from moe_lab.compress.grouping import GROUPINGS
 from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.routing import router_logits, select_topk
@@ -124,7 +124,7 @@ def test_copied_parameters_and_vanilla_reload(family, tmp_path):
             assert torch.equal(tensor, source[name]), name
             copied += 1
     assert copied >= 5 and "lm_head.weight" in student.state_dict()
-    export_dense(student, tmp_path)
+    export_compressed(student, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     batch = random_batch()
     assert torch.equal(_logits(reloaded, batch), _logits(student, batch))
@@ -132,6 +132,8 @@ def test_copied_parameters_and_vanilla_reload(family, tmp_path):
     assert info["K"] == 4 and set(info["layers"]) == {str(v.index) for v in find_moe_layers(teacher)}
     assert all(len(layer["groups"]) == teacher.config.num_experts_per_tok for layer in info["layers"].values())
     assert (tmp_path / "compress_manifest.json").is_file()
+    if teacher.config.model_type in ("olmoe", "qwen2_moe", "gpt_oss"):  # one-expert targets
+        assert [v.num_experts for v in find_moe_layers(reloaded)] == [1] * len(find_moe_layers(teacher))
 
 
 def test_grouping_is_irrelevant_at_K_equal_k():
