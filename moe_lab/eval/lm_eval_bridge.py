@@ -7,6 +7,10 @@ same folder works on the lm-eval command line::
 
     lm_eval --model hf --model_args pretrained=out/export --include_path moe_lab/eval/lm_eval_tasks \\
         --tasks boolq,social_iqa --metadata '{"data_dir": "../shared/data/llm_adapters"}'
+
+but only :func:`evaluate_with_lm_eval` (:func:`lm_eval_model`) re-installs the moe-lab routing an export
+carries beside its vanilla weights (Expert Condenser, Compressed Experts); the command line evaluates
+such an export with vanilla HF routing.
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ def evaluate_with_lm_eval(
     ``cuda`` when available, else ``cpu``; lm-eval's own default is ``cuda`` even without a GPU).
     """
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -71,18 +74,44 @@ def evaluate_with_lm_eval(
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=hub_tasks,
                           metadata={"data_dir": str(folder)})
     if isinstance(model_or_path, (str, os.PathLike)):
+        lm = lm_eval_model(model_or_path, tokenizer, batch_size=batch_size, max_length=max_length, device=device)
+        return _run(simple_evaluate, lm, tasks, manager, limit, num_fewshot, simple_evaluate_kwargs)
+    with eval_mode(model_or_path):
+        lm = lm_eval_model(model_or_path, tokenizer, batch_size=batch_size, max_length=max_length)
+        return _run(simple_evaluate, lm, tasks, manager, limit, num_fewshot, simple_evaluate_kwargs)
+
+
+def lm_eval_model(
+    model_or_path: torch.nn.Module | str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    batch_size: int = 16,
+    max_length: int | None = None,
+    device: str | None = None,
+):
+    """lm-eval's HF wrapper (``HFLM``) around an in-memory model (put it in eval mode yourself) or an export.
+
+    An export directory is loaded by lm-eval (on ``device``, default ``cuda`` when available, else ``cpu``)
+    and the moe-lab routing written beside its vanilla weights (condenser biases and condensers,
+    compressed-experts vectors) is re-installed on it, as ``task=evaluate`` does: vanilla HF routing alone
+    would evaluate another model.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    from moe_lab.methods.registry import install_exported_routing
+
+    if isinstance(model_or_path, (str, os.PathLike)):
         path = str(model_or_path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         lm = HFLM(pretrained=path, tokenizer=tokenizer if tokenizer is not None else path,
                   batch_size=batch_size, max_length=max_length, device=device)
-        return _run(simple_evaluate, lm, tasks, manager, limit, num_fewshot, simple_evaluate_kwargs)
+        install_exported_routing(lm.model, path)
+        return lm
     if tokenizer is None:
         raise ValueError("an in-memory model needs its tokenizer: evaluate_with_lm_eval(model, tokenizer, ...)")
-    with eval_mode(model_or_path):
-        lm = HFLM(pretrained=model_or_path, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-        return _run(simple_evaluate, lm, tasks, manager, limit, num_fewshot, simple_evaluate_kwargs)
+    return HFLM(pretrained=model_or_path, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
 
 
 def lm_eval_metrics(result: dict) -> dict[str, dict[str, float]]:

@@ -4,14 +4,17 @@ moe-lab's own scoring (continuation log-likelihoods, batched generation) item by
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
 import moe_lab
 from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 from moe_lab.eval.generation import generate
 from moe_lab.eval.likelihood import score_choices
-from moe_lab.eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics, local_tasks
+from moe_lab.eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics, lm_eval_model, local_tasks
 from moe_lab.eval.lm_eval_tasks.llm_adapters import load_choice_docs, load_generation_docs
-from tests.conftest import SHARED_DATA, build_tiny
+from moe_lab.moe.block import MoEBlock
+from tests.conftest import SHARED_DATA, build_tiny, random_batch
 
 LIMIT = 5
 MC_TASKS = {"boolq": "boolq", "social_iqa": "siqa", "winogrande": "winogrande"}
@@ -58,6 +61,57 @@ def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
     theirs = [s["resps"][0][0] for s in sorted(result["samples"]["gsm8k"], key=lambda s: s["doc_id"])]
     assert theirs == [o[0] for o in ours]
     assert metrics["gsm8k"]["acc"] == 0.0  # a random model does not solve GSM8K
+
+
+def _byte_batch(seed, **kwargs):
+    batch = random_batch(seed=seed, **kwargs)
+    ids = batch["input_ids"] % BYTE_VOCAB_SIZE
+    return {**batch, "input_ids": ids, "labels": ids.masked_fill(batch["attention_mask"] == 0, -100)}
+
+
+def _train(model, patch, steps=3, lr=0.05):
+    """A few real optimizer steps (router biases and condensers follow each step, as in task=finetune)."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for step in range(steps):
+        model(**_byte_batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        patch.after_optimizer_step()
+    return model.eval()
+
+
+TRAINED = {  # method -> (options, what must have moved away from its initial value)
+    "condenser": ({"gamma": 0.05, "n": 1, "warmup_steps": 1},
+                  lambda patch: all(layer.forced_experts and bool(layer.bias.abs().max() > 0) for layer in patch.layers)),
+    "compressed_experts": ({}, lambda patch: any(bool((p != 1).any()) for layer in patch.layers
+                                                for p in layer.compressed_experts.parameters())),
+}
+
+
+@pytest.mark.parametrize("method", sorted(TRAINED))
+def test_lm_eval_on_an_export_reinstalls_the_methods_routing(method, tok, tmp_path):
+    """The logits lm-eval's wrapper computes on an export equal the trained model's, bit for bit: the export
+    is vanilla weights + the method's routing files, and lm_eval_model re-installs that routing."""
+    options, moved = TRAINED[method]
+    model = build_tiny("olmoe", vocab_size=BYTE_VOCAB_SIZE)
+    patch = moe_lab.apply(model, method, **options)
+    _train(model, patch)
+    assert moved(patch), "training must move the method's routing state (else this test could not fail)"
+    patch.export(tmp_path / "export", tok)
+    ids = _byte_batch(9, batch=2, seq=12, pad_rows=())["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+
+    lm = lm_eval_model(tmp_path / "export", batch_size=2, device="cpu")
+    assert any(isinstance(m, MoEBlock) for m in lm.model.modules()), "the method's routing was not re-installed"
+    assert not lm.model.training
+    got = lm._model_call(ids)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    # the control: the same export under vanilla HF routing is another model
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        assert not torch.allclose(vanilla(input_ids=ids).logits, expected, atol=1e-4)
 
 
 def test_in_memory_patched_model_runs_the_commonsense_tag(tok):
