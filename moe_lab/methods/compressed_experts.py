@@ -2,23 +2,32 @@
 Compressed Experts", arXiv:2503.00634; public code: OlmoeSparseCompressedMoeBlock in the Compressed-Experts
 repository).
 
-Each token's top-k experts are split by router weight into k_m *main* experts (the largest weights) and
-k_a = k - k_m *auxiliary* experts. Every routed expert e owns two trainable vectors, initialised to ones
-when the method is installed (after loading): ``input_scale[e]`` (hidden size) and ``act_scale[e]``
-(expert intermediate size). The auxiliary experts are never executed; their vectors, averaged with their
-router weights renormalised over the auxiliary set (a_j = w_j / sum_aux w), rescale the main experts::
+Each token's top-k experts are split by router weight into k_m *main* experts (the largest weights; default
+k_m = k/2) and k_a = k - k_m *auxiliary* experts. The routing policy returns only the main experts, so the
+layer's routing counts / expert-load statistics count only the experts that run; the auxiliary experts are
+never executed. Every routed expert e owns trainable vectors, initialised to ones when the method is
+installed (after loading). The auxiliary experts' vectors, averaged with their router weights renormalised
+over the auxiliary set (a_j = w_j / sum_aux w), rescale the main experts. Two forms (``form``):
 
-    u = sum_j a_j input_scale[j]        s = sum_j a_j act_scale[j]        (j over the auxiliary experts)
-    y = sum_{i in main} w_i * W_down_i( (act(W_gate_i (x*u)) * W_up_i (x*u)) * s )    (+ shared experts)
+- ``"input"`` (default; the paper's section 2.2): one hidden-size vector per expert on the expert input,
+  H parameters per expert::
+
+      u = sum_j a_j input_scale[j]
+      y = sum_{i in main} w_i * E_i(x * u)                                          (+ shared experts)
+
+- ``"gate_up_intermediate"`` (the paper's section 2.4 and the public code): three vectors per expert, on
+  the gate-projection input (H), the up-projection input (H) and the intermediate activation (I), 2H + I
+  parameters per expert::
+
+      y = sum_{i in main} w_i * W_down_i( act(W_gate_i (x*u_gate)) * W_up_i (x*u_up) * s )
 
 Main experts keep their original router weights w_i (no renormalisation over the main set, as in the
 public code); with ``main_weights="renormalized"`` they are rescaled to carry the whole top-k mass,
-w_i * sum_topk w / sum_main w. ``input_scaling="separate"`` gives the gate and up projections their own
-input vectors, as the public code does (three vectors per expert); ``"shared"`` (default) uses one.
-At initialisation the layer therefore equals top-k_m routing with the family's own top-k weights.
+w_i * sum_topk w / sum_main w. At initialisation the layer therefore equals top-k_m routing with the
+family's own top-k weights.
 
-``full_finetune=True`` (default; the public code fine-tunes the whole model with the vectors) or
-``False``: only the vectors train. The vectors are one 1-D parameter per expert, so the Lightning module
+``full_finetune=True`` (default; the paper and the public code fine-tune the whole model with the vectors)
+or ``False``: only the vectors train. The vectors are one 1-D parameter per expert, so the Lightning module
 puts them in the no-weight-decay group like norm gains.
 
 Export: ``patch.export`` writes the vanilla HF checkpoint (vanilla transformers cannot represent
@@ -37,14 +46,14 @@ import torch
 from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
-from ..moe.block import MoEBlock
+from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import MoEPatch
 from ..moe.view import MoELayerView
 
 log = logging.getLogger(__name__)
 
-INPUT_SCALINGS = ("shared", "separate")
+FORMS = ("input", "gate_up_intermediate")
 MAIN_WEIGHTS = ("original", "renormalized")
 VECTORS_FILE = "moe_lab_compressed_experts.safetensors"
 CONFIG_FILE = "moe_lab_compressed_experts.json"
@@ -54,34 +63,52 @@ NOT_VANILLA = ("vanilla transformers cannot represent compressed experts: from_p
 
 
 class CompressedExpertVectors(nn.Module):
-    """The per-expert vectors of one MoE layer: one 1-D parameter per expert and kind, ones at creation."""
+    """The per-expert vectors of one MoE layer: one 1-D parameter per expert and kind, ones at creation.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, separate_up_input: bool,
-                 like: torch.Tensor):
+    ``form="input"``: ``input_scale`` [H]; ``"gate_up_intermediate"``: ``input_scale`` [H] (gate input),
+    ``up_input_scale`` [H] and ``act_scale`` [I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, form: str, like: torch.Tensor):
         super().__init__()
 
         def ones(size: int) -> nn.ParameterList:
             return nn.ParameterList(
                 [nn.Parameter(torch.ones(size, dtype=like.dtype, device=like.device)) for _ in range(num_experts)])
 
+        three = form == "gate_up_intermediate"
         self.input_scale = ones(hidden)
-        self.act_scale = ones(intermediate)
-        self.up_input_scale = ones(hidden) if separate_up_input else None
+        self.up_input_scale = ones(hidden) if three else None
+        self.act_scale = ones(intermediate) if three else None
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        """``{"input_scale": [E, H], "act_scale": [E, I](, "up_input_scale": [E, H])}``."""
-        kinds = {"input_scale": self.input_scale, "act_scale": self.act_scale}
-        if self.up_input_scale is not None:
-            kinds["up_input_scale"] = self.up_input_scale
-        return {name: torch.stack(list(params)) for name, params in kinds.items()}
+        """``{"input_scale": [E, H](, "up_input_scale": [E, H], "act_scale": [E, I])}``."""
+        kinds = {"input_scale": self.input_scale, "up_input_scale": self.up_input_scale,
+                 "act_scale": self.act_scale}
+        return {name: torch.stack(list(params)) for name, params in kinds.items() if params is not None}
 
 
-class CompressedExpertsMixture:
-    """``MoEBlock.mixer`` of Compressed Experts (see the module docstring)."""
+class CompressedExpertsRouting(ConventionalRouting):
+    """The family's routing, split: returns the k_main main experts (the ones that run and are counted as
+    load) and keeps the auxiliary ones for the mixer of the same forward (:meth:`take_auxiliary`)."""
 
-    def __init__(self, k_main: int, main_weights: str):
+    def __init__(self, view: MoELayerView, k_main: int, main_weights: str):
+        super().__init__(view)
         self.k_main = k_main
         self.main_weights = main_weights
+        self.auxiliary = None
+
+    def __call__(self, router: nn.Module, x: torch.Tensor):
+        logits, weights, indices = super().__call__(router, x)
+        main_w, main_idx, aux_w, aux_idx = self.split(weights, indices)
+        self.auxiliary = (aux_w, aux_idx)
+        return logits, main_w, main_idx
+
+    def take_auxiliary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux weights renormalised over the auxiliary set, aux ids)`` of the latest routing call."""
+        if self.auxiliary is None:
+            raise RuntimeError("compressed experts: the mixer ran without a routing call before it")
+        auxiliary, self.auxiliary = self.auxiliary, None
+        return auxiliary
 
     def split(self, weights: torch.Tensor, indices: torch.Tensor):
         """``(main weights, main ids, auxiliary weights renormalised over the auxiliary set, aux ids)``,
@@ -98,22 +125,29 @@ class CompressedExpertsMixture:
         aux_norm = torch.where(aux_total > 0, aux_w / torch.where(aux_total > 0, aux_total, 1.0), uniform)
         return main_w, idx[:, :k_m], aux_norm, idx[:, k_m:]
 
+
+class CompressedExpertsMixture:
+    """``MoEBlock.mixer`` of Compressed Experts (see the module docstring): the main experts of the
+    routing call, scaled by the auxiliary experts' averaged vectors."""
+
     def __call__(self, block: MoEBlock, x, logits, weights, indices):
-        main_w, main_idx, aux_w, aux_idx = self.split(weights, indices)
+        view = block.view.obj
+        aux_w, aux_idx = view.router.moe_lab_policy.take_auxiliary()
         vectors = block.compressed_experts.stacked()
         dtype = vectors["input_scale"].dtype
         mix = torch.zeros(x.shape[0], block.num_experts, dtype=dtype, device=x.device)
         mix = mix.scatter_add(1, aux_idx, aux_w.to(dtype))  # [N, E] renormalised auxiliary weights
         scales = {name: mix @ v for name, v in vectors.items()}
-        return scaled_expert_mixture(block.view.obj, x, main_idx, main_w, scales)
+        return scaled_expert_mixture(view, x, indices, weights, scales)
 
 
 def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                           scales: dict[str, torch.Tensor]) -> torch.Tensor:
     """``sum_slot weights * E_indices(x * input_scale)`` with the intermediate activation times ``act_scale``.
 
-    ``scales`` holds per-token rows: input_scale [N, H], act_scale [N, I], optional up_input_scale [N, H]
-    (then the gate projection sees ``x * input_scale`` and the up projection ``x * up_input_scale``).
+    ``scales`` holds per-token rows: input_scale [N, H], optional up_input_scale [N, H] (then the gate
+    projection sees ``x * input_scale`` and the up projection ``x * up_input_scale``), optional act_scale
+    [N, I].
     Rows are sorted by expert once and every projection is one grouped matmul over slices of the packed
     tensors, dispatched like HF's default ``grouped_mm`` experts implementation (the kernel sft uses).
     """
@@ -139,7 +173,9 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
                 if part.requires_grad:
                     part.register_hook(torch.Tensor.contiguous)
             projected = torch.stack((gate, up), dim=-1).flatten(-2)
-    hidden = experts._apply_gate(projected) * scales["act_scale"][tokens]
+    hidden = experts._apply_gate(projected)
+    if "act_scale" in scales:
+        hidden = hidden * scales["act_scale"][tokens]
     bias = experts.down_proj_bias[expert_ids] if has_bias else None
     out = _grouped_linear(hidden, experts.down_proj, offsets, bias=bias, is_transposed=transposed)
     out = out * weights.reshape(-1)[perm, None]
@@ -181,36 +217,38 @@ def install_compressed_experts(
     patch: MoEPatch,
     k_main: int | None = None,
     full_finetune: bool = True,
-    input_scaling: str = "shared",
+    form: str = "input",
     main_weights: str = "original",
 ) -> None:
     """Install Compressed Experts on every MoE layer (options in the module docstring).
 
-    ``k_main``: main experts per token (default top_k // 2; 1 <= k_main < top_k). ``full_finetune``:
-    train the whole model with the vectors (True) or only the vectors (False).
+    ``k_main``: main experts per token (default top_k // 2; 1 <= k_main < top_k). ``form``: "input" (one
+    hidden-size vector per expert, the paper's section 2.2) or "gate_up_intermediate" (three vectors, its
+    section 2.4 and the public code). ``full_finetune``: train the whole model with the vectors (True) or
+    only the vectors (False).
     """
-    if input_scaling not in INPUT_SCALINGS:
-        raise ValueError(f"input_scaling={input_scaling!r} is not one of {INPUT_SCALINGS}")
+    if form not in FORMS:
+        raise ValueError(f"method.options.form={form!r} is not one of {FORMS}")
     if main_weights not in MAIN_WEIGHTS:
-        raise ValueError(f"main_weights={main_weights!r} is not one of {MAIN_WEIGHTS}")
+        raise ValueError(f"method.options.main_weights={main_weights!r} is not one of {MAIN_WEIGHTS}")
     top_k = patch.layers[0].top_k
-    k_main = default_k_main(top_k) if k_main is None else k_main
     if top_k < 2:
         raise ValueError(f"compressed_experts needs top_k >= 2 (main + auxiliary experts); this model has "
                          f"top_k={top_k}")
-    if not (isinstance(k_main, int) and 1 <= k_main < top_k):
-        raise ValueError(f"k_main={k_main!r} must be an integer in [1, {top_k - 1}] (top_k={top_k}: at least one "
-                         "main and one auxiliary expert)")
+    k_main = default_k_main(top_k) if k_main is None else k_main
+    if isinstance(k_main, bool) or not (isinstance(k_main, int) and 1 <= k_main < top_k):
+        raise ValueError(f"method.options.k_main={k_main!r} must be an integer in [1, {top_k - 1}] (top_k={top_k}: "
+                         "at least one main and one auxiliary expert); null = top_k // 2")
     if not full_finetune:
         for param in patch.model.parameters():
             param.requires_grad_(False)
+    mixture = CompressedExpertsMixture()
     for view, block in zip(patch.views, patch.layers):
         block.compressed_experts = CompressedExpertVectors(
-            block.num_experts, view.config.hidden_size, expert_intermediate_size(view),
-            input_scaling == "separate", like=view.down_proj)
-        block.mixer = CompressedExpertsMixture(k_main, main_weights)
-    options = {"k_main": k_main, "full_finetune": bool(full_finetune), "input_scaling": input_scaling,
-               "main_weights": main_weights}
+            block.num_experts, view.config.hidden_size, expert_intermediate_size(view), form, like=view.down_proj)
+        view.router.moe_lab_policy = CompressedExpertsRouting(view, k_main, main_weights)
+        block.mixer = mixture
+    options = {"k_main": k_main, "full_finetune": bool(full_finetune), "form": form, "main_weights": main_weights}
     patch.export_hooks.append(functools.partial(_save_beside_export, patch, options))
 
 
@@ -252,6 +290,9 @@ def load_compressed_experts(model: nn.Module, directory: str | Path) -> MoEPatch
         raise FileNotFoundError(f"{str(directory)!r} has no {CONFIG_FILE} / {VECTORS_FILE}: it was not exported "
                                 "from a compressed_experts run")
     config = json.loads(config_path.read_text())
+    if "input_scaling" in config["options"]:
+        raise ValueError(f"{config_path} was written before the two paper forms (option input_scaling, H + I "
+                         "vectors, neither form): re-export it from a run with method.options.form")
     patch = apply(model, "compressed_experts", **config["options"])
     state = load_file(str(vectors_path))
     expected = compressed_expert_state(patch)
@@ -261,8 +302,8 @@ def load_compressed_experts(model: nn.Module, directory: str | Path) -> MoEPatch
     with torch.no_grad():
         for block in patch.layers:
             for name, params in (("input_scale", block.compressed_experts.input_scale),
-                                 ("act_scale", block.compressed_experts.act_scale),
-                                 ("up_input_scale", block.compressed_experts.up_input_scale)):
+                                 ("up_input_scale", block.compressed_experts.up_input_scale),
+                                 ("act_scale", block.compressed_experts.act_scale)):
                 if params is None:
                     continue
                 saved = state[f"layers.{block.index}.{name}"]
@@ -280,8 +321,9 @@ def flop_ratio(patch: MoEPatch, k_main: int | None = None) -> float:
 
     2 FLOPs per active parameter per token (forward; backward scales both alike): non-embedding,
     non-routed parameters (attention, router, shared experts, dense MLPs, lm_head) plus k (sft) or k_main
-    (compressed) routed experts per MoE layer, plus the auxiliary-vector mixing (2 E (H + I) per layer) and
-    elementwise scalings. Attention-score FLOPs (sequence-length dependent) are left out of both.
+    (compressed) routed experts per MoE layer, plus the auxiliary-vector mixing (2 E V per layer, V the
+    vector entries of one expert: H or 2H + I) and elementwise scalings (k_main V). Attention-score FLOPs
+    (sequence-length dependent) are left out of both.
     """
     top_k = patch.layers[0].top_k
     k_main = k_main or _installed_k_main(patch) or default_k_main(top_k)
@@ -293,14 +335,17 @@ def flop_ratio(patch: MoEPatch, k_main: int | None = None) -> float:
                 if id(p) not in input_embeddings | routed | vectors)
     sft = 2 * dense
     compressed = 2 * dense
-    for view in patch.views:
+    for view, block in zip(patch.views, patch.layers):
         per_expert = sum(p[0].numel() for p in view.experts.parameters())
-        hidden, inter = view.config.hidden_size, expert_intermediate_size(view)
+        if hasattr(block, "compressed_experts"):
+            size = sum(v.shape[1] for v in block.compressed_experts.stacked().values())
+        else:
+            size = view.config.hidden_size  # the default form
         sft += 2 * top_k * per_expert
-        compressed += 2 * k_main * per_expert + 2 * view.num_experts * (hidden + inter) + k_main * (hidden + inter)
+        compressed += 2 * k_main * per_expert + 2 * view.num_experts * size + k_main * size
     return compressed / sft
 
 
 def _installed_k_main(patch: MoEPatch) -> int | None:
-    mixer = patch.layers[0].mixer
-    return mixer.k_main if isinstance(mixer, CompressedExpertsMixture) else None
+    policy = patch.views[0].router.moe_lab_policy
+    return policy.k_main if isinstance(policy, CompressedExpertsRouting) else None

@@ -73,8 +73,9 @@ class RoutingRule:
                     "masked (dropped) groups; raise topk_group or lower num_experts_per_tok to avoid it",
                     stacklevel=2,
                 )
-        if self.score == "sparsemixer" and self.top_k != 2:
-            raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k=2, got {self.top_k}")
+        if self.score == "sparsemixer" and self.top_k not in (1, 2):
+            raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k 1 or 2, got {self.top_k}: set "
+                             "num_experts_per_tok to 1 or 2")
 
 
 def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -143,11 +144,32 @@ def select_topk(
     included). Weights always come from the unbiased scores of the chosen set, renormalised over it.
     """
     if rule.score == "sparsemixer":
-        from transformers.models.phimoe.modeling_phimoe import sparsemixer
+        from transformers.models.phimoe.modeling_phimoe import PhimoeMultiplier, sparsemixer
 
         if selection_bias is not None or forced is not None or top_k not in (None, rule.top_k):
             raise NotImplementedError("selection biases and forced experts are not defined for sparsemixer")
-        return sparsemixer(logits, jitter_eps=rule.jitter_eps, training=training, top_k=rule.top_k)
+        if rule.top_k == 2:
+            return sparsemixer(logits, jitter_eps=rule.jitter_eps, training=training, top_k=2)
+        # top-1 (HF's sparsemixer ignores top_k and always returns 2 experts): the first-expert stage of HF's
+        # sparsemixer, step for step and with the same random draws (jitter mask, Gumbel sample in training /
+        # argmax in eval, softmax over the kept logits, Heun's third-order multiplier in training)
+        with torch.no_grad():
+            peak, argmax = logits.max(dim=-1, keepdim=True)
+            dropped = ((peak - logits) / logits.abs().clamp(min=peak)) > (2 * rule.jitter_eps)
+        masked = logits.masked_fill(dropped, float("-inf"))
+        if training:
+            noise = torch.empty_like(masked, memory_format=torch.legacy_contiguous_format).exponential_().log()
+            chosen = (masked - noise).max(dim=-1)[1].unsqueeze(-1)
+        else:
+            chosen = argmax
+        gates = torch.softmax(masked, dim=-1)
+        weights = gates.gather(dim=-1, index=chosen)
+        if training:
+            top, top_index = gates.max(dim=-1, keepdim=True)
+            heun = torch.logical_or(chosen == top_index, torch.rand_like(top) > 0.75)
+            heun = torch.add(0.3333, heun, alpha=0.6667).type_as(gates)
+            weights = PhimoeMultiplier.apply(logits, weights, chosen, gates, heun)
+        return weights, chosen
     scores = scores_from_logits(rule, logits)
     choice = scores
     if rule.uses_correction_bias and correction_bias is not None:

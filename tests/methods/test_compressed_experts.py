@@ -18,7 +18,7 @@ from moe_lab.methods.compressed_experts import (
     flop_ratio,
     load_compressed_experts,
 )
-from moe_lab.moe.block import sparse_mixture
+from moe_lab.moe.block import ConventionalRouting, sparse_mixture
 from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.view import find_moe_layers
 from tests.conftest import FAMILIES, build_tiny, random_batch
@@ -67,7 +67,7 @@ def test_initial_output_equals_top_k_main_routing(family):
     ours = copy.deepcopy(vanilla)
     k_main = 2 if family != "phimoe" else 1
     patch = moe_lab.apply(ours, "compressed_experts")
-    assert [layer.mixer.k_main for layer in patch.layers] == [k_main] * len(patch.layers)
+    assert [view.router.moe_lab_policy.k_main for view in patch.views] == [k_main] * len(patch.layers)
     handles = [view.block.register_forward_hook(_oracle_hook(view, k_main)) for view in find_moe_layers(vanilla)]
     batch = random_batch()
     with torch.no_grad():
@@ -97,28 +97,29 @@ def test_renormalized_main_weights_equal_hf_top_k_main_on_qwen3():
     torch.testing.assert_close(got, oracle, rtol=RTOL, atol=ATOL)
 
 
-def _routing(model, patch, batch):
-    """Per MoE layer: (main expert ids, auxiliary expert ids) over the batch's tokens, split here by weight."""
+def _hf_top_k(model, batch, k_main):
+    """Per MoE layer of an unpatched copy: HF's own router (weights, ids), ranked by weight and split into
+    (main ids [N, k_main], auxiliary ids [N, k - k_main]) over the batch's tokens."""
+    vanilla = copy.deepcopy(model)
     captured = {}
-
-    def capture(index):
-        def hook(module, args, out):
-            captured[index] = (out[1].detach(), out[2].detach())
-
-        return hook
-
-    handles = [view.router.register_forward_hook(capture(view.index)) for view in patch.views]
+    for view in find_moe_layers(vanilla):
+        view.router.register_forward_hook(
+            lambda m, a, out, i=view.index: captured.__setitem__(i, (out[1].detach(), out[2].detach())))
     with torch.no_grad():
-        model(**batch)
-    for handle in handles:
-        handle.remove()
+        vanilla(**batch)
     result = {}
     for index, (weights, indices) in captured.items():
-        order = weights.argsort(dim=-1, descending=True, stable=True)
-        ranked = indices.gather(1, order)
-        k_main = patch.layers[0].mixer.k_main
-        result[index] = (set(ranked[:, :k_main].flatten().tolist()), set(ranked[:, k_main:].flatten().tolist()))
+        ranked = indices.gather(1, weights.argsort(dim=-1, descending=True, stable=True))
+        result[index] = (ranked[:, :k_main], ranked[:, k_main:])
     return result
+
+
+def _routing(model, patch, batch):
+    """Per MoE layer: (main expert ids, auxiliary expert ids) over the batch's tokens (HF's router, split)."""
+    k_main = patch.views[0].router.moe_lab_policy.k_main
+    with patch.removed():
+        split = _hf_top_k(model, batch, k_main)
+    return {i: (set(main.flatten().tolist()), set(aux.flatten().tolist())) for i, (main, aux) in split.items()}
 
 
 def test_auxiliary_experts_are_never_executed():
@@ -146,8 +147,8 @@ def test_auxiliary_experts_are_never_executed():
             assert torch.equal(view.gate_up_proj.grad[e], torch.zeros_like(view.gate_up_proj[e]))
             assert torch.equal(view.down_proj.grad[e], torch.zeros_like(view.down_proj[e]))
             assert layer.compressed_experts.input_scale[e].grad.abs().sum() > 0
-            assert layer.compressed_experts.act_scale[e].grad.abs().sum() > 0
-    for layer in patch.layers:
+    for view, layer in zip(patch.views, patch.layers):  # conventional routing and mixing
+        view.router.moe_lab_policy = ConventionalRouting(view)
         layer.mixer = sparse_mixture
     with torch.no_grad():
         assert torch.isnan(model(**batch).logits).any()
@@ -166,8 +167,9 @@ def _hand_expert(view, e, x_gate, x_up, family):
     return torch.nn.functional.silu(gate) * up, lambda h: view.down_proj[e] @ h
 
 
-def _hand_block(view, x, vectors, k_main, separate, family):
-    """Per-token Compressed Experts layer output written out by hand (olmoe or gpt_oss routing)."""
+def _hand_block(view, x, vectors, k_main, three, family):
+    """Per-token Compressed Experts layer output written out by hand (olmoe or gpt_oss routing); ``three``:
+    gate-input, up-input and intermediate vectors, else one input vector."""
     router = view.router
     if family == "gpt_oss":  # top-k on the biased logits, softmax over the selected ones
         top_logits, top_i = (x @ router.weight.T + router.bias).topk(view.top_k, dim=-1)
@@ -180,8 +182,8 @@ def _hand_block(view, x, vectors, k_main, separate, family):
         aux = [(top_w[t, j], int(top_i[t, j])) for j in range(k_main, view.top_k)]
         total = sum(w for w, _ in aux)
         u = sum(w / total * vectors["input_scale"][e] for w, e in aux)
-        s = sum(w / total * vectors["act_scale"][e] for w, e in aux)
-        u_up = sum(w / total * vectors["up_input_scale"][e] for w, e in aux) if separate else u
+        s = sum(w / total * vectors["act_scale"][e] for w, e in aux) if three else 1.0
+        u_up = sum(w / total * vectors["up_input_scale"][e] for w, e in aux) if three else u
         y = torch.zeros_like(x[t])
         for w, e in main:
             hidden, down = _hand_expert(view, e, x[t] * u, x[t] * u_up, family)
@@ -191,13 +193,18 @@ def _hand_block(view, x, vectors, k_main, separate, family):
 
 
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
-@pytest.mark.parametrize("input_scaling", ["shared", "separate"])
-def test_layer_and_vector_gradients_match_a_hand_written_oracle(input_scaling, family):
+@pytest.mark.parametrize("form", ["input", "gate_up_intermediate"])
+def test_layer_and_vector_gradients_match_a_hand_written_oracle(form, family):
     """Non-trivial vectors: the layer output and the gradients of vectors, input and expert weights equal
     autograd through a per-token formula written out by hand (2 main + 2 auxiliary experts; concatenated
-    SiLU experts and GPT-OSS's interleaved, biased, clamped ones)."""
+    SiLU experts and GPT-OSS's interleaved, biased, clamped ones), for both forms: one input vector per
+    expert (H parameters) and gate-input / up-input / intermediate vectors (2H + I)."""
     model = _tiny(family)
-    patch = moe_lab.apply(model, "compressed_experts", input_scaling=input_scaling)
+    patch = moe_lab.apply(model, "compressed_experts", form=form)
+    sizes = {k: v.shape for k, v in patch.layers[0].compressed_experts.stacked().items()}
+    hidden, inter = model.config.hidden_size, patch.views[0].down_proj.shape[1 if family == "gpt_oss" else 2]
+    assert sizes == ({"input_scale": (8, hidden)} if form == "input" else
+                     {"input_scale": (8, hidden), "up_input_scale": (8, hidden), "act_scale": (8, inter)})
     view, block = patch.views[0], patch.layers[0]
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -216,7 +223,7 @@ def test_layer_and_vector_gradients_match_a_hand_written_oracle(input_scaling, f
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in block.compressed_experts.stacked().items()}
     for param in view.expert_parameters().values():
         param.grad = None
-    y = _hand_block(view, x2.reshape(-1, x2.shape[-1]), leaves, 2, input_scaling == "separate", family)
+    y = _hand_block(view, x2.reshape(-1, x2.shape[-1]), leaves, 2, form == "gate_up_intermediate", family)
     torch.testing.assert_close(out.detach().reshape(-1, x.shape[-1]), y.detach(), rtol=RTOL, atol=ATOL)
     (y * upstream.reshape(-1, x.shape[-1])).sum().backward()
     torch.testing.assert_close(ours["x"], x2.grad, rtol=1e-4, atol=1e-5)
@@ -232,7 +239,7 @@ def test_vectors_only_training_freezes_the_model():
     patch = moe_lab.apply(model, "compressed_experts", full_finetune=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".compressed_experts." in n for n in trainable)
-    assert len(trainable) == 2 * 8 * len(patch.layers)  # input + activation vector per expert and layer
+    assert len(trainable) == 8 * len(patch.layers)  # one input vector per expert and layer (the default form)
     model.train()
     model(**random_batch()).loss.backward()
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
@@ -241,7 +248,7 @@ def test_vectors_only_training_freezes_the_model():
 def test_export_writes_vanilla_weights_and_the_vectors_load_back_exactly(tmp_path, caplog):
     model = _tiny("qwen2_moe")
     original = copy.deepcopy(model).eval()
-    patch = moe_lab.apply(model, "compressed_experts", input_scaling="separate")
+    patch = moe_lab.apply(model, "compressed_experts", form="gate_up_intermediate")
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for param in model.parameters():
@@ -253,7 +260,7 @@ def test_export_writes_vanilla_weights_and_the_vectors_load_back_exactly(tmp_pat
     patch.export(tmp_path / "export")
     assert "cannot represent" in caplog.text
     config = json.loads((tmp_path / "export" / CONFIG_FILE).read_text())
-    assert config["options"] == {"k_main": 2, "full_finetune": True, "input_scaling": "separate",
+    assert config["options"] == {"k_main": 2, "full_finetune": True, "form": "gate_up_intermediate",
                                  "main_weights": "original"}
     assert "cannot represent" in config["note"] and (tmp_path / "export" / VECTORS_FILE).exists()
 
@@ -277,10 +284,11 @@ def test_load_rejects_a_directory_without_vectors(tmp_path):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"k_main": 4}, r"k_main=4 must be an integer in \[1, 3\]"),
-    ({"k_main": 0}, r"k_main=0"),
-    ({"input_scaling": "per_projection"}, "input_scaling='per_projection'"),
-    ({"main_weights": "softmax"}, "main_weights='softmax'"),
+    ({"k_main": 4}, r"method.options.k_main=4 must be an integer in \[1, 3\]"),
+    ({"k_main": 0}, r"method.options.k_main=0"),
+    ({"k_main": 1.5}, r"method.options.k_main=1.5"),
+    ({"form": "separate"}, "method.options.form='separate'"),
+    ({"main_weights": "softmax"}, "method.options.main_weights='softmax'"),
 ])
 def test_bad_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -292,8 +300,9 @@ def test_top_1_models_are_rejected():
         moe_lab.apply(build_tiny("olmoe", num_experts_per_tok=1), "compressed_experts")
 
 
-def test_flop_ratio_counts_main_experts_only():
-    patch = moe_lab.apply(_tiny("olmoe"), "compressed_experts")
+@pytest.mark.parametrize("form", ["input", "gate_up_intermediate"])
+def test_flop_ratio_counts_main_experts_only(form):
+    patch = moe_lab.apply(_tiny("olmoe"), "compressed_experts", form=form)
     model = patch.model
     embed = model.get_input_embeddings().weight.numel()
     routed = sum(p.numel() for v in patch.views for p in v.experts.parameters())
@@ -301,8 +310,9 @@ def test_flop_ratio_counts_main_experts_only():
     dense = sum(p.numel() for p in model.parameters()) - embed - routed - vectors
     per_layer_expert = routed // len(patch.views) // 8
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
+    size = hidden if form == "input" else 2 * hidden + inter
     sft = dense + 4 * per_layer_expert * len(patch.views)
-    ce = dense + 2 * per_layer_expert * len(patch.views) + len(patch.views) * (8 + 1) * (hidden + inter)
+    ce = dense + 2 * per_layer_expert * len(patch.views) + len(patch.views) * (8 + 1) * size
     assert flop_ratio(patch) == pytest.approx(ce / sft, rel=1e-12)
 
 
@@ -316,3 +326,84 @@ def test_run_py_compressed_experts_exports_the_vectors(tmp_path):
     trained = patch.layers[0].compressed_experts.input_scale[0]
     assert trained.shape == (model.config.hidden_size,)
     assert any(not torch.equal(p, torch.ones_like(p)) for b in patch.layers for p in b.compressed_experts.parameters())
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+def test_only_main_experts_count_as_load(family):
+    """Routing counts (expert-load statistics) count the k_main experts that run, per real token: equal to
+    the bincount over non-pad tokens of the main experts of HF's own top-k (HF's router class run on the
+    tokens entering each layer, ranked by weight)."""
+    model = _tiny(family).train()
+    patch = moe_lab.apply(model, "compressed_experts")
+    batch = random_batch()
+    real = batch["attention_mask"].reshape(-1).bool()
+    inputs = {}
+    for view in patch.views:
+        view.router.register_forward_pre_hook(lambda m, a, i=view.index: inputs.__setitem__(i, a[0].detach()))
+    model(**batch)
+    counts = patch.counts()
+    for row, view in enumerate(patch.views):
+        router = view.router
+        with torch.no_grad():
+            _, weights, ids = type(router).__mro__[1].forward(router, inputs[view.index])  # the HF class
+        ranked = ids.gather(1, weights.argsort(dim=-1, descending=True, stable=True))
+        expected = torch.bincount(ranked[:, :2][real].flatten(), minlength=view.num_experts)
+        assert torch.equal(counts[row], expected), view.index
+        assert int(counts[row].sum()) == 2 * int(real.sum())
+        with_aux = expected + torch.bincount(ranked[:, 2:][real].flatten(), minlength=view.num_experts)
+        assert not torch.equal(counts[row], with_aux)
+
+
+# top-1 PhiMoE (the paper's "Top-k/2 SFT" baseline for Phi-3.5-MoE, k 2 -> 1) ----------------------------
+def test_hf_sparsemixer_ignores_top_k_so_moe_lab_implements_top_1():
+    """HF's PhimoeTopKRouter passes top_k to sparsemixer, which ignores it and always returns 2 experts; our
+    top-1 sparsemixer is its first-expert stage: same ids, weights and logit gradients (Heun's third-order
+    multiplier) as the first column of HF's output, at the same seed, in training (Gumbel sampling) and eval."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from moe_lab.moe.routing import RoutingRule, select_topk
+
+    hf = build_tiny("phimoe", num_experts_per_tok=1)
+    router = find_moe_layers(hf)[0].router
+    assert router.top_k == 1 and router(torch.randn(5, hf.config.hidden_size))[2].shape == (5, 2)
+    rule = RoutingRule(score="sparsemixer", top_k=1, num_experts=8, jitter_eps=0.01, weights_in_logits_dtype=False)
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(64, 1, generator=torch.Generator().manual_seed(1))
+    for training in (True, False):
+        ours, theirs = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        w1, i1 = select_topk(rule, ours, training)
+        torch.manual_seed(3)
+        w2, i2 = sparsemixer(theirs, jitter_eps=0.01, training=training)
+        assert i1.shape == (64, 1) and torch.equal(i1, i2[:, :1]) and torch.equal(w1, w2[:, :1])
+        (w1 * upstream).sum().backward()
+        (w2[:, :1] * upstream).sum().backward()
+        assert torch.equal(ours.grad, theirs.grad)
+    with pytest.raises(ValueError, match="top_k 1 or 2, got 3"):
+        RoutingRule(score="sparsemixer", top_k=3, num_experts=8)
+
+
+def test_top_1_phimoe_matches_hf_first_expert_routing_and_trains():
+    """A tiny PhiMoE with num_experts_per_tok=1 under moe-lab: eval logits equal vanilla HF's with every
+    router's output cut to its first expert (HF's top-2 computes that column first, the same way); one
+    AdamW step moves the router and only the experts that were routed."""
+    vanilla = build_tiny("phimoe", num_experts_per_tok=1).eval()
+    ours = copy.deepcopy(vanilla)
+    patch = moe_lab.apply(ours, "sft")
+    assert patch.layers[0].top_k == 1
+    for view in find_moe_layers(vanilla):
+        view.router.register_forward_hook(lambda m, a, out: (out[0], out[1][:, :1], out[2][:, :1]))
+    batch = random_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch).logits, vanilla(**batch).logits, rtol=0, atol=0)
+    ours.train()
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    loss = ours(**batch).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    optimizer.step()
+    router = patch.views[0].router
+    assert not torch.equal(router.weight, before[f"{patch.views[0].name}.router.weight"])
+    counts = patch.counts()
+    assert int(counts[0].sum()) == int(batch["attention_mask"].sum())  # one expert per real token
