@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "identity", "sparsemixer")
+# where select_topk adds a selection bias (see select_topk)
+BIAS_SPACES = ("logits", "scores")
 
 
 @dataclass(frozen=True)
@@ -136,10 +138,15 @@ def select_topk(
     selection_bias: torch.Tensor | None = None,
     forced: torch.Tensor | None = None,
     top_k: int | None = None,
+    bias_space: str = "logits",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ``(weights [N, k], indices [N, k])`` from router logits, following ``rule``.
 
-    ``selection_bias`` [E] is added to the scores for selection only (weights stay unbiased).
+    ``selection_bias`` [E] enters selection only (weights stay unbiased); ``bias_space`` says where.
+    ``"logits"``: on the router's values before normalisation, S = TopK(s + b) - the raw logits when the
+    rule normalises with a softmax over all experts, the scores when its score function is elementwise
+    (sigmoid affinity, beside ``e_score_correction_bias``; identity: the logits themselves).
+    ``"scores"``: on the scores (the probabilities of a softmax router).
     ``forced`` (expert ids) are put in every token's set; ``top_k`` overrides the set size (forced
     included). Weights always come from the unbiased scores of the chosen set, renormalised over it.
     """
@@ -175,7 +182,11 @@ def select_topk(
     if rule.uses_correction_bias and correction_bias is not None:
         choice = choice + correction_bias
     if selection_bias is not None:
-        choice = choice + selection_bias
+        if bias_space not in BIAS_SPACES:
+            raise ValueError(f"bias_space={bias_space!r}: choose one of {', '.join(BIAS_SPACES)}")
+        # a softmax is not elementwise: the paper's s + b is taken before it, on the raw logits
+        before_softmax = bias_space == "logits" and rule.score == "softmax"
+        choice = (logits if before_softmax else choice) + selection_bias
     if rule.n_group:
         choice, scores = _group_limit(rule, choice, scores, forced)
     if forced is not None and forced.numel():

@@ -73,8 +73,8 @@ def test_selection_bias_changes_choice_not_weights():
     torch.testing.assert_close(weights, probs.gather(1, indices))
 
 
-def test_logit_mode_puts_bias_inside_the_softmax():
-    model, _patch, block, _ = _first_block(n=0, bias_mode="logit")
+def test_inside_softmax_mode_puts_bias_inside_the_softmax():
+    model, _patch, block, _ = _first_block(n=0, bias_mode="inside_softmax")
     x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     block.bias[5] = 3.0
     _logits, weights, indices = block.gate(x)
@@ -120,7 +120,8 @@ def test_warmup_then_choose_lowest_bias_and_freeze_their_bias():
         assert block.forced_experts == []
         model(**batch)
         patch.update_biases()
-    expected = torch.sort(block.bias, stable=True).indices[:2].sort().values.tolist()
+    bias, used = block.bias.tolist(), block.usage.tolist()  # biases are multiples of gamma: ties are common
+    expected = sorted(sorted(range(block.num_experts), key=lambda e: (bias[e], used[e]))[:2])
     assert block.forced_experts == expected
     frozen = block.bias[expected].clone()
     model(**batch)
@@ -136,8 +137,12 @@ def test_other_selection_rules(rule):
         model(**random_batch(batch=4, seq=12, seed=seed))
         total += patch.counts()[0]
         patch.update_biases()
-    key = {"most_used": total.double(), "least_used": -total.double(), "highest_bias": block.bias}[rule]
-    assert block.forced_experts == [int(torch.sort(key, descending=True, stable=True).indices[0])]
+    assert torch.equal(block.usage, total.double()), "usage = the loads summed while the biases learn"
+    bias, used = block.bias.tolist(), total.tolist()
+    # sparsify: the bias rises with usage, so each key's ties are broken by the other in the same direction
+    key = {"most_used": lambda e: (-used[e], -bias[e]), "least_used": lambda e: (used[e], bias[e]),
+           "highest_bias": lambda e: (-bias[e], -used[e])}[rule]
+    assert block.forced_experts == [min(range(block.num_experts), key=key)]
 
 
 def test_state_file_round_trip_and_export(tmp_path):
@@ -167,8 +172,27 @@ def test_bad_options_name_the_field(tmp_path):
     other = build_tiny("qwen3_moe")
     p = moe_lab.apply(other, "condenser", n=0)
     path = save_condenser_state(p, tmp_path / "q.json")
-    with pytest.raises(ValueError, match="another model"):
+    with pytest.raises(ValueError, match=r"q\.json.*holds biases of a qwen3_moe model.*this deepseek_v3 model"):
         moe_lab.apply(build_tiny("deepseek_v3"), "condenser", bias_file=str(path))
+    with pytest.raises(ValueError, match="load='hard'.*count, soft"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", load="hard")
+    with pytest.raises(ValueError, match="select='lowest'.*lowest_bias"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", select="lowest")
+    with pytest.raises(TypeError, match="warmup_trains_weights"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", warmup_trains_weights="no")
+
+
+@pytest.mark.parametrize("overrides,holds,has", [
+    ({"num_hidden_layers": 3}, "{0: 8 experts, 1: 8 experts}", "{0: 8 experts, 1: 8 experts, 2: 8 experts}"),
+    ({"num_experts": 16}, "{0: 8 experts, 1: 8 experts}", "{0: 16 experts, 1: 16 experts}"),
+])
+def test_bias_file_of_another_layer_or_expert_count_is_refused(tmp_path, overrides, holds, has):
+    path = save_condenser_state(moe_lab.apply(build_tiny("olmoe"), "condenser", n=0), tmp_path / "olmoe.json")
+    with pytest.raises(ValueError) as err:
+        moe_lab.apply(build_tiny("olmoe", **overrides), "condenser", bias_file=str(path))
+    message = str(err.value)
+    assert str(path) in message and f"olmoe model with MoE layers {holds}" in message
+    assert f"this olmoe model has MoE layers {has}" in message
 
 
 # --- data parallel -------------------------------------------------------------------------------
@@ -177,14 +201,15 @@ def test_bad_options_name_the_field(tmp_path):
 def _ddp_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = build_tiny("olmoe").train()
-    patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2)
-    for seed in range(3):
-        batch = random_batch(batch=4, seq=12, seed=seed)
-        model(**{k: v[rank::world] for k, v in batch.items()})
-        patch.update_biases()
-    torch.save({"bias": patch.layers[0].bias, "forced": patch.layers[0].forced_experts},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    for load in ("count", "soft"):
+        model = build_tiny("olmoe").train()
+        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2, load=load)
+        for seed in range(3):
+            batch = random_batch(batch=4, seq=12, seed=seed)
+            model(**{k: v[rank::world] for k, v in batch.items()})
+            patch.update_biases()
+        torch.save({"bias": patch.layers[0].bias, "forced": patch.layers[0].forced_experts,
+                    "usage": patch.layers[0].usage}, os.path.join(out_dir, f"{load}_rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -193,15 +218,21 @@ def test_ddp_biases_identical_and_equal_to_one_process_on_the_global_batch(tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    assert torch.equal(r0["bias"], r1["bias"]) and r0["forced"] == r1["forced"]
-    model = build_tiny("olmoe").train()
-    patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2)
-    for seed in range(3):
-        model(**random_batch(batch=4, seq=12, seed=seed))
-        patch.update_biases()
-    assert torch.equal(patch.layers[0].bias, r0["bias"])
-    assert patch.layers[0].forced_experts == r0["forced"]
+    for load in ("count", "soft"):
+        r0, r1 = (torch.load(tmp_path / f"{load}_rank{r}.pt") for r in (0, 1))
+        assert torch.equal(r0["bias"], r1["bias"]) and r0["forced"] == r1["forced"]
+        assert torch.equal(r0["usage"], r1["usage"])
+        model = build_tiny("olmoe").train()
+        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2, load=load)
+        for seed in range(3):
+            model(**random_batch(batch=4, seq=12, seed=seed))
+            patch.update_biases()
+        assert torch.equal(patch.layers[0].bias, r0["bias"]), load
+        assert patch.layers[0].forced_experts == r0["forced"]
+        if load == "count":
+            assert torch.equal(patch.layers[0].usage, r0["usage"])
+        else:  # float64 sums of <= 2 x 48 fp32 probabilities (each < 1), added in another order
+            torch.testing.assert_close(patch.layers[0].usage, r0["usage"], rtol=0, atol=1e-12)
 
 
 # --- Lightning: per-optimizer-step updates, checkpoints --------------------------------------------
@@ -257,16 +288,23 @@ def test_resume_restores_biases_condensers_and_step(tmp_path):
     assert int(resumed.patch.layers[0].bias_updates) == 5
 
 
-@pytest.mark.parametrize("budget", ["replace", "append"])
-def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget):
+@pytest.mark.parametrize("budget,bias_mode,load", [("replace", "logit_selection", "count"),
+                                                     ("append", "probability_selection", "soft"),
+                                                     ("replace", "inside_softmax", "count")])
+def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget, bias_mode, load):
     import transformers
 
     from moe_lab.methods.registry import install_exported_routing
 
     model = build_tiny("qwen3_moe").train()
-    patch = moe_lab.apply(model, "condenser", gamma=0.05, n=1, warmup_steps=2, budget=budget)
-    for seed in range(2):
-        model(**random_batch(seed=seed))
+    options = {"gamma": 0.05, "n": 1, "warmup_steps": 2, "budget": budget, "bias_mode": bias_mode, "load": load}
+    patch = moe_lab.apply(model, "condenser", **options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for seed in range(4):  # 2 bias-only warm-up steps, then 2 steps that train the weights too
+        model(**random_batch(seed=seed)).loss.backward()
+        patch.bias_updater.before_optimizer_step(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
         patch.update_biases()
     assert patch.layers[0].forced_experts
     model.eval()
@@ -274,12 +312,16 @@ def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget):
     with torch.no_grad():
         expected = model(**batch).logits
     out = patch.export(tmp_path / "export")
+    saved = json.loads((out / STATE_FILE).read_text())
+    assert saved["routing"] == {"bias_mode": bias_mode, "budget": budget, "load": load}
     vanilla = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         plain = vanilla(**batch).logits
     reloaded = install_exported_routing(vanilla, out)
     assert reloaded.layers[0].forced_experts == patch.layers[0].forced_experts
+    for a, b in zip(reloaded.layers, patch.layers):
+        assert torch.equal(a.bias, b.bias) and torch.equal(a.usage, b.usage)
     with torch.no_grad():
         got = vanilla(**batch).logits
-    torch.testing.assert_close(got, expected)
+    assert torch.equal(got, expected), "the reloaded export routes and computes exactly as the trained model"
     assert not torch.allclose(plain, expected), "vanilla routing differs: the reinstall is what makes it equal"
