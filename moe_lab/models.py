@@ -62,6 +62,17 @@ def load_model(model_cfg, tokenizer=None):
         try:
             config = transformers.AutoConfig.from_pretrained(pretrained)
         except OSError as err:
+            from pathlib import Path
+
+            local = str(pretrained).startswith(("/", ".", "~")) or str(pretrained).count("/") != 1
+            if local and not Path(str(pretrained)).expanduser().exists():
+                raise FileNotFoundError(
+                    f"model.pretrained={pretrained}: this path does not exist (working directory {Path.cwd()}); "
+                    "point model.pretrained at a local checkpoint folder holding config.json"
+                ) from None
+            if local:
+                raise OSError(f"model.pretrained={pretrained} exists but is not a model folder (no loadable "
+                              f"config.json: {err.__class__.__name__}: {str(err).splitlines()[0]})") from None
             raise OSError(
                 f"cannot load model {pretrained!r} ({err.__class__.__name__}); without hub access, download it "
                 f"elsewhere and set model.pretrained=/local/path/to/{str(pretrained).split('/')[-1]}"

@@ -1,7 +1,8 @@
 """One table for a Hydra multirun: final loss, eval metric and step-cost ratio per job.
 
-Registered as a Hydra callback (conf/hydra/default.yaml); at the end of ``python run.py -m ...`` it reads
-every job's ``summary.json`` and writes ``summary.csv`` and ``summary.md`` in the sweep directory.
+Registered as a Hydra callback (conf/hydra/default.yaml); after every job of ``python run.py -m ...`` it reads
+every job's ``summary.json`` (or ``failed.json``: the error of a job that raised) and rewrites ``summary.csv``
+and ``summary.md`` in the sweep directory, so a failing job leaves its row and the table of the others.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-COLUMNS = ("job", "model", "method", "steps", "train_loss", "val_loss", "val_ppl", "step_time_s", "step_ratio")
+COLUMNS = ("job", "model", "method", "steps", "train_loss", "val_loss", "val_ppl", "step_time_s", "step_ratio",
+           "error")
+FAILED = "failed.json"
 
 
 def sweep_rows(sweep_dir: str | Path) -> list[dict]:
     """One row per job directory with a summary.json; ``step_ratio`` is relative to the model's sft job."""
     rows = []
-    for summary_path in sorted(Path(sweep_dir).glob("*/summary.json"), key=_job_order):
+    paths = {p.parent: p for p in Path(sweep_dir).glob(f"*/{FAILED}")}
+    paths.update({p.parent: p for p in Path(sweep_dir).glob("*/summary.json")})  # a re-run that succeeded wins
+    for summary_path in sorted(paths.values(), key=_job_order):
         summary = json.loads(summary_path.read_text())
         job = summary_path.parent.name
         val = summary.get("val/loss")
@@ -27,7 +32,7 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict]:
             "job": job, "model": summary.get("model", ""), "method": summary.get("method", job),
             "steps": summary.get("global_step"), "train_loss": summary.get("train/loss"), "val_loss": val,
             "val_ppl": math.exp(val) if val is not None else None,
-            "step_time_s": summary.get("step_time_median_s"), "step_ratio": None,
+            "step_time_s": summary.get("step_time_median_s"), "step_ratio": None, "error": summary.get("error"),
         })
     for row in rows:
         ref = next((r for r in rows if r["model"] == row["model"] and r["method"] == "sft"), None)
@@ -54,6 +59,8 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
         writer.writerows(rows)
 
     def fmt(value):
+        if isinstance(value, str):
+            return value.replace("|", "/").replace("\n", " ")
         return "" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -63,8 +70,33 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
     return md
 
 
+def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
+    """``<job dir>/failed.json``: the failed job's model, method and error, for its row of the sweep table."""
+    from omegaconf import OmegaConf
+
+    path = Path(job_dir) / FAILED
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "model": OmegaConf.select(config, "model.name", default=""),
+        "method": OmegaConf.select(config, "method.name", default=""),
+        "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+    }, indent=2))
+    return path
+
+
 class SweepSummaryCallback(Callback):
-    """Hydra callback: write the sweep table when a multirun ends and print it."""
+    """Hydra callback: rewrite the sweep table after every job (failed ones included) and print it at the end."""
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            return
+        if job_return.status.name == "FAILED":
+            record_failure(hydra_cfg.runtime.output_dir, config, job_return._return_value)
+        write_sweep_summary(hydra_cfg.sweep.dir)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         md = write_sweep_summary(config.hydra.sweep.dir)

@@ -35,11 +35,13 @@ def expert_load_heatmap(
     layer_indices: Sequence[int] | None,
     path: str | os.PathLike,
     title: str | None = None,
+    vmax: float | None = None,
 ) -> Path:
     """Save a layer x expert heatmap of per-expert load fractions ``[L, E]`` as a PNG; returns the path.
 
     Rows are MoE layers (labelled with their decoder-layer ``layer_indices``), columns experts; colour is
-    the share of the layer's routed (token, slot) assignments, on a scale starting at 0. The colorbar
+    the share of the layer's routed (token, slot) assignments, on a scale from 0 to ``vmax`` (None: this
+    heatmap's largest share; pass one value, e.g. ``1 / top_k``, to compare snapshots). The colorbar
     marks the uniform share ``1 / E``.
     """
     data = np.asarray(getattr(fractions, "cpu", lambda: fractions)(), dtype=np.float64)
@@ -59,7 +61,8 @@ def expert_load_heatmap(
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     finite = data[np.isfinite(data)]
-    vmax = max(float(finite.max()) if finite.size else 0.0, 1.0 / n_experts, 1e-12)
+    if vmax is None:
+        vmax = max(float(finite.max()) if finite.size else 0.0, 1.0 / n_experts, 1e-12)
     image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=vmax)
     cbar = fig.colorbar(image, ax=ax)
     cbar.set_label("fraction of routed tokens")
@@ -108,12 +111,14 @@ def loss_curve(
     path: str | os.PathLike,
     title: str | None = None,
     keys: Sequence[str] = ("train/loss", "val/loss"),
+    log_scale: bool = False,
 ) -> Path:
     """Save a PNG of loss vs step; returns the path.
 
     ``source`` is either a Lightning ``metrics.csv`` (every column of ``keys`` that has values is drawn;
     ``train/loss_step`` is accepted for ``train/loss``) or a list of ``(step, loss)`` pairs (drawn as
-    ``keys[0]``). Raises ``ValueError`` when there is nothing to draw.
+    ``keys[0]``). ``log_scale`` draws the loss axis logarithmically. Raises ``ValueError`` when there is
+    nothing to draw.
     """
     if isinstance(source, (str, os.PathLike)):
         series = {key: read_metric_csv(source, key) for key in keys}
@@ -129,7 +134,9 @@ def loss_curve(
         steps, values = zip(*rows)
         ax.plot(steps, values, marker="." if len(rows) < 50 else None, linewidth=1.2, label=key)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (log scale)" if log_scale else "loss")
+    if log_scale:
+        ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title(title or "loss")

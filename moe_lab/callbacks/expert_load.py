@@ -43,7 +43,7 @@ class ExpertLoadCallback(Callback):
     expert's share of the layer's load.
 
     Every ``heatmap_every_n_steps`` optimizer steps and at the end of training it writes a layer x expert
-    heatmap of the load since the previous heatmap to ``plot_dir`` (default
+    heatmap of the load since the previous heatmap (every snapshot on one colour scale, ``colour_scale``) to ``plot_dir`` (default
     ``<trainer.default_root_dir>/plots``) as ``expert_load_step{step:06d}.png`` and
     ``expert_load_latest.png`` (rank zero only), and logs it to W&B as ``load/heatmap``. ``0`` disables
     the heatmaps (or the metrics, for ``log_every_n_steps``).
@@ -103,6 +103,15 @@ class ExpertLoadCallback(Callback):
 
     def _resolve_plot_dir(self, trainer: pl.Trainer) -> Path:
         return self.plot_dir if self.plot_dir is not None else Path(trainer.default_root_dir) / "plots"
+
+    @staticmethod
+    def colour_scale(layers, fractions: torch.Tensor) -> float:
+        """One colour-scale maximum for every snapshot of a run, so heatmaps compare: ``1 / top_k``, the largest
+        share an expert can take when each token's ``top_k`` slots go to distinct experts (a larger observed
+        share, from a method that routes fewer slots per token, widens it)."""
+        top_k = min(int(layer.top_k) for layer in layers)
+        observed = float(torch.nan_to_num(fractions, nan=0.0).max()) if fractions.numel() else 0.0
+        return max(1.0 / top_k, observed)
 
     # hooks --------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -179,7 +188,8 @@ class ExpertLoadCallback(Callback):
         plot_dir = self._resolve_plot_dir(trainer)
         path = plot_dir / f"expert_load_step{step:06d}.png"
         title = f"expert load, optimizer steps {start + 1}-{step}" + (" (end of training)" if final else "")
-        expert_load_heatmap(fractions, [layer.index for layer in layers], path, title=title)
+        expert_load_heatmap(fractions, [layer.index for layer in layers], path, title=title,
+                            vmax=self.colour_scale(layers, fractions))
         latest = plot_dir / "expert_load_latest.png"
         tmp = plot_dir / ".expert_load_latest.png.tmp"
         tmp.write_bytes(path.read_bytes())

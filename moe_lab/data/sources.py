@@ -73,6 +73,15 @@ def where(source: str, i: int) -> str:
     return f"{source}: row {i}"
 
 
+def _is_empty(path: str) -> bool:
+    """A file with no rows: zero bytes, only whitespace, or an empty JSON array."""
+    if os.path.getsize(path) > (1 << 16):
+        return False
+    with open(path, "rb") as f:
+        text = f.read().strip()
+    return not text or (path.endswith((".json", ".jsonl")) and text.replace(b" ", b"") in (b"[]", b"{}"))
+
+
 def json_syntax_error(path: str) -> str | None:
     """``"<file>: line n, column c: <problem>"`` for the first JSON syntax error of a JSON/JSON-lines file, or None."""
     with open(path, encoding="utf-8") as f:
@@ -122,7 +131,13 @@ def open_dataset(
     if is_local(path_or_id):
         path = os.path.expanduser(path_or_id)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"Dataset path {path_or_id!r} does not exist. {override_hint(example)}")
+            where_from = "" if os.path.isabs(path) else (
+                f" (a relative path is read from the working directory {os.getcwd()}; the LLM-Adapters data "
+                "folder is $MOE_LAB_DATA_DIR: export MOE_LAB_DATA_DIR=/abs/path/to/llm_adapters)")
+            raise FileNotFoundError(f"Dataset path {path_or_id!r} does not exist{where_from}. "
+                                    f"{override_hint(example)}")
+        if os.path.isfile(path) and _is_empty(path):
+            raise ValueError(f"Dataset file {path} is empty (no rows). {override_hint(example)}")
         if os.path.isfile(path):
             try:
                 return load_dataset(_builder(path), data_files=path, split="train", streaming=streaming)

@@ -2,7 +2,8 @@
 
 Accuracies are shown in percent; perplexity columns are shown as they are and are never averaged.
 ``python -m moe_lab.eval.results RUN_DIR [RUN_DIR ...] --out DIR`` merges the ``summary.json`` of several
-``task=evaluate`` runs (e.g. a ``-m`` sweep over checkpoints) into one table.
+``task=evaluate`` runs (e.g. a ``-m`` sweep over checkpoints: pass the sweep directory, or ``<sweep>/*``) into one
+table.
 """
 
 from __future__ import annotations
@@ -135,6 +136,38 @@ class ResultsTable:
             self.cells.setdefault(key, {}).update(row)
 
 
+def _is_eval_run(path: Path) -> bool:
+    summary = path / "summary.json"
+    try:
+        return summary.is_file() and "table" in json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def expand_runs(paths) -> list[Path]:
+    """Run directories from the command line: a sweep directory (``multirun/...``, ``outputs/evaluate/x``)
+    stands for the ``task=evaluate`` runs inside it, in Hydra job order; other entries a shell glob brings
+    along (``multirun.yaml``, ``summary.md``, folders without a summary) are skipped with a note."""
+    runs: list[Path] = []
+    for arg in paths:
+        path = Path(arg)
+        if path.is_dir() and not (path / "summary.json").is_file():
+            inner = sorted((p for p in path.iterdir() if p.is_dir() and _is_eval_run(p)), key=_job_key)
+            if inner:
+                runs.extend(inner)
+                continue
+        if path.is_dir() and (path / "summary.json").is_file() or not path.exists():
+            runs.append(path)  # a run directory (or a typo: collect names it)
+        else:
+            print(f"note: {path} is not a run directory, skipped", file=sys.stderr)
+    return runs
+
+
+def _job_key(path: Path):
+    head = path.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else float("inf"), path.name)
+
+
 def collect(run_dirs) -> ResultsTable:
     """One table from the ``summary.json`` of ``task=evaluate`` run directories, in the order given."""
     table = ResultsTable()
@@ -152,11 +185,11 @@ def collect(run_dirs) -> ResultsTable:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_lab.eval.results",
                                      description="Merge task=evaluate runs into one results table.")
-    parser.add_argument("runs", nargs="+", help="run directories holding summary.json")
+    parser.add_argument("runs", nargs="+", help="run directories holding summary.json, or sweep directories")
     parser.add_argument("--out", default=None, help="write results.csv and results.md into this directory")
     args = parser.parse_args(argv)
     try:
-        table = collect(args.runs)
+        table = collect(expand_runs(args.runs))
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -320,6 +320,11 @@ def evaluate(cfg: DictConfig) -> dict:
         raise ValueError(f"eval.on_unavailable={ev.on_unavailable!r}: choose skip or error")
     start = time.time()
     loaded, skipped = _load_sets(resolve(list(ev.datasets)), ev, int(cfg.seed))
+    if loaded and all(data is None for _, data in loaded):
+        raise FileNotFoundError(
+            f"eval={ev.get('name')}: nothing to evaluate, every set was skipped ({'; '.join(skipped.values())}). "
+            "Point each set at a local file with eval.paths.<set>=/local/file (or eval.data_dir=...)"
+        )
     out = Path(cfg.paths.output_dir)
     pred_dir = out / "predictions"
     torch.manual_seed(int(cfg.seed))

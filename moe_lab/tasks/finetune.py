@@ -3,22 +3,39 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import signal
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
-from .checkpoint_io import AtomicCheckpointIO
+from .checkpoint_io import AtomicCheckpointIO, CheckpointOnSignal, check_matches, read_checkpoint
+from .resume import History, pin_wandb_run, resume_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class RunInterrupted(SystemExit):
+    """Training stopped on a signal after writing a checkpoint; the exit status is 128 + the signal number."""
 
 
 def _instantiate_all(group) -> list:
-    return [instantiate(node) for node in (group or {}).values() if node is not None]
+    out = []
+    for node in (group or {}).values():
+        if node is not None:
+            made = instantiate(node)
+            out.extend(made if isinstance(made, (list, tuple)) else [made])
+    return out
 
 
 def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) -> L.Trainer:
@@ -28,6 +45,11 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     strategy = trainer_kwargs.pop("strategy", "auto")
     if isinstance(strategy, dict):
         strategy = instantiate(strategy)
+    # a run shorter than log_every_n_steps still logs its loss (and gets a loss curve)
+    if trainer_kwargs.get("max_steps", -1) > 0:
+        trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50),
+                                                  trainer_kwargs["max_steps"])
+    trainer_kwargs["enable_progress_bar"] = any(isinstance(c, ProgressBar) for c in callbacks)
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0,
                                  every_n_train_steps=cfg.task.checkpoint_every_n_steps)
     return L.Trainer(
@@ -36,44 +58,146 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     )
 
 
+class _RunInfo(L.Callback):
+    """Stores the model and method in every checkpoint (so a mismatched resume names both) and puts the whole
+    resolved config into W&B once Lightning has logged the module's hyperparameters."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        checkpoint["moe_lab"] = {"model": self.cfg.model.name, "method": self.cfg.method.name}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+                logger.experiment.config.update(OmegaConf.to_container(self.cfg, resolve=True),
+                                                allow_val_change=True)
+
+
+def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
+    pin_wandb_run(cfg, history, out)
+    with warnings.catch_warnings():  # the run directory holds config.yaml already; metrics.csv is handled here
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+        loggers = _instantiate_all(cfg.logger)
+        for logger in loggers:
+            if isinstance(logger, L.pytorch.loggers.CSVLogger):
+                logger.experiment  # noqa: B018 - create the writer now (it deletes an old metrics.csv)
+    history.replay(loggers)
+    return loggers
+
+
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``."""
     out = Path(cfg.paths.output_dir)
+    ckpt_path, field = resume_checkpoint(cfg)
+    ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
+    resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
     model, tokenizer = load_model(cfg.model)
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
-    loggers = _instantiate_all(cfg.logger)
+    if ckpt is not None:
+        check_matches(ckpt, ckpt_path, module, f"{cfg.model.name} / {cfg.method.name}", field)
+        del ckpt
+    history = History(ckpt_path, resumed_step, out)
+    loggers = _loggers(cfg, out, history)
     callbacks = _instantiate_all(cfg.callbacks)
     if not loggers:  # logger=none: nothing to report learning rates to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    timer = StepTimerCallback()
-    trainer = build_trainer(cfg, out, loggers, [*callbacks, timer])
+    clock = next((c for c in callbacks if isinstance(c, ProgressLog)), None)
+    if clock is None:  # callbacks=none: still keep the wall time across resumes
+        clock = ProgressLog(quiet=True)
+        callbacks.append(clock)
+    timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
+    trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg)])
     start = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.task.ckpt_path)
-    wall = time.time() - start
-    summary = {"wall_time_s": round(wall, 1), "global_step": trainer.global_step, "model": cfg.model.name,
-               "method": cfg.method.name, "step_time_median_s": timer.median_s}
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    except SIGTERMException:
+        if on_signal.saved is None:
+            raise
+    interrupted = on_signal.saved is not None
+    summary = {"wall_time_s": round(clock.wall_time_s, 1), "wall_time_this_run_s": round(time.time() - start, 1),
+               "global_step": trainer.global_step, "resumed_from_step": resumed_step or None,
+               "model": cfg.model.name, "method": cfg.method.name, "step_time_median_s": timer.median_s,
+               "interrupted": interrupted}
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    summary["data"] = _data_counts(datamodule)
     if trainer.is_global_zero:
-        _collect_metrics(trainer, out)
-        if cfg.task.export:
+        summary["plots"] = _collect_metrics(trainer, out, log_scale=bool(cfg.task.get("loss_log_scale", False)))
+        if cfg.task.export and not interrupted:
             module.patch.export(out / "export", tokenizer=tokenizer)
             summary["export"] = str(out / "export")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(summary_block(summary, out), flush=True)
+    if interrupted:
+        raise RunInterrupted(128 + int(on_signal.signum or signal.SIGINT))
     return summary
 
 
-def _collect_metrics(trainer: L.Trainer, out: Path) -> None:
-    """Copy the CSV logger's metrics.csv to the run directory and plot the training loss."""
+def _data_counts(datamodule) -> dict:
+    """Examples kept / truncated / dropped per split (what the overflow policy did to the data)."""
+    counts = getattr(datamodule, "overflow_counts", None) or {}
+    return {split: {"kept": c["kept"], "truncated": c["truncated"], "dropped": c["too_long"] + c["no_labels"]}
+            for split, c in counts.items()}
+
+
+def _collect_metrics(trainer: L.Trainer, out: Path, log_scale: bool = False) -> list[str]:
+    """Copy the CSV logger's metrics.csv to the run directory and plot the loss; returns the plots written.
+
+    Plotting never costs the export: with no loss logged yet the curve is skipped with a note.
+    """
     from ..analysis.plots import loss_curve
 
     for logger in trainer.loggers:
         if isinstance(logger, L.pytorch.loggers.CSVLogger):
             src = Path(logger.log_dir) / "metrics.csv"
-            if src.exists():
-                if src.resolve() != (out / "metrics.csv").resolve():
-                    shutil.copyfile(src, out / "metrics.csv")
-                (out / "plots").mkdir(exist_ok=True)
-                loss_curve(out / "metrics.csv", out / "plots" / "train_loss.png")
+            if src.exists() and src.resolve() != (out / "metrics.csv").resolve():
+                shutil.copyfile(src, out / "metrics.csv")
+    plots = out / "plots"
+    if (out / "metrics.csv").exists():
+        try:
+            loss_curve(out / "metrics.csv", plots / "train_loss.png", log_scale=log_scale)
+        except ValueError as err:
+            log.warning("plots/train_loss.png skipped: %s", err)
+        except Exception as err:  # noqa: BLE001 - a plotting failure is reported, the run's results are still written
+            log.warning("plots/train_loss.png failed (%s: %s); the run's other outputs are written", type(err).__name__,
+                        err)
+    return sorted(p.name for p in plots.glob("*.png")) if plots.is_dir() else []
+
+
+def _fmt(value, digits=4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def summary_block(summary: dict, out: Path) -> str:
+    """The end-of-run block a person reads: losses, steps, wall time, data and where everything is."""
+    steps = str(summary["global_step"])
+    if summary.get("resumed_from_step"):
+        steps += f" (resumed at step {summary['resumed_from_step']})"
+    wall = f"{summary['wall_time_s']:.1f} s"
+    if summary.get("resumed_from_step"):
+        wall += f" in total, {summary['wall_time_this_run_s']:.1f} s in this run"
+    lines = [
+        ("model / method", f"{summary['model']} / {summary['method']}"),
+        ("steps", steps),
+        ("train/loss", _fmt(summary.get("train/loss"))),
+        ("val/loss", _fmt(summary.get("val/loss"))),
+        ("wall time", wall),
+    ]
+    for split, c in summary.get("data", {}).items():
+        used = f"{c['kept'] + c['truncated']} used ({c['kept']} whole, {c['truncated']} truncated)"
+        lines.append((f"{split} examples", f"{used}, {c['dropped']} dropped"))
+    lines.append(("run directory", str(out)))
+    lines.append(("export", summary.get("export") or ("not written (interrupted)" if summary["interrupted"]
+                                                      else "off (task.export=false)")))
+    plots = summary.get("plots") or []
+    lines.append(("plots", f"{out / 'plots'}: {', '.join(plots)}" if plots else "none"))
+    width = max(len(k) for k, _ in lines)
+    title = "run interrupted, checkpoint written" if summary["interrupted"] else "run finished"
+    return "\n".join([f"==== moe-lab finetune: {title} ===="]
+                     + [f"  {k.ljust(width)}  {v}" for k, v in lines])

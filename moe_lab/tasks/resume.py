@@ -1,0 +1,117 @@
+"""Resuming a run without losing its history.
+
+``task.resume=<run dir>`` continues ``<run dir>/checkpoints/last.ckpt`` in that directory (run.py re-applies the
+run's own overrides); ``task.ckpt_path=<file>`` continues a checkpoint in a new directory. Either way the
+metrics logged before the checkpoint step are carried into the new ``metrics.csv`` (so plots cover the
+whole run), earlier heatmaps are copied over, the W&B run id stored beside the checkpoint continues the same
+W&B run, and the wall time adds up across segments.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, open_dict
+
+log = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb_run_id"  # in <run dir>/checkpoints/, beside last.ckpt
+
+
+def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
+    """``(checkpoint file or None, the config field it came from)`` for ``task.resume`` / ``task.ckpt_path``."""
+    resume = cfg.task.get("resume")
+    if resume:
+        path = Path(str(resume)).expanduser()
+        if path.is_dir():
+            ckpt = path / "checkpoints" / "last.ckpt"
+            if not ckpt.is_file():
+                raise FileNotFoundError(f"task.resume={resume}: {ckpt} does not exist (the run wrote no checkpoint "
+                                        "yet; checkpoints come every task.checkpoint_every_n_steps and on Ctrl-C)")
+            return ckpt, "task.resume"
+        if path.is_file():
+            return path, "task.resume"
+        raise FileNotFoundError(f"task.resume={resume}: no such run directory or checkpoint file")
+    if cfg.task.get("ckpt_path"):
+        return Path(str(cfg.task.ckpt_path)).expanduser(), "task.ckpt_path"
+    return None, ""
+
+
+def _rows_before(path: Path, step: int) -> list[dict]:
+    """Rows of a Lightning ``metrics.csv`` logged before ``step`` (non-empty cells only)."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        rows = []
+        for row in csv.DictReader(f):
+            try:
+                row_step = int(float(row.get("step") or "nan"))
+            except ValueError:
+                continue
+            if row_step < step:
+                rows.append({k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
+                            | {"step": row_step})
+    return rows
+
+
+class History:
+    """What a resumed run carries over from the run that wrote its checkpoint (read before the loggers
+    exist: Lightning's CSV logger deletes an existing metrics.csv when it starts)."""
+
+    def __init__(self, ckpt: Path | None, global_step: int, out: Path):
+        self.out = out
+        self.step = global_step
+        self.old_run = None if ckpt is None else ckpt.parent.parent
+        self.rows = [] if ckpt is None else _rows_before(self.old_run / "metrics.csv", global_step)
+        id_file = None if ckpt is None else ckpt.parent / WANDB_ID_FILE
+        self.wandb_id = id_file.read_text().strip() if id_file is not None and id_file.is_file() else None
+
+    def replay(self, loggers) -> None:
+        """Write the earlier rows into every CSV logger's file, and copy earlier heatmaps into a new run dir."""
+        for logger in loggers:
+            if isinstance(logger, CSVLogger) and self.rows:
+                writer = logger.experiment
+                for row in self.rows:
+                    writer.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+                writer.save()
+        if self.old_run is None or self.old_run.resolve() == self.out.resolve():
+            return
+        for png in sorted((self.old_run / "plots").glob("expert_load_step*.png")):
+            match = re.search(r"step(\d+)", png.name)
+            target = self.out / "plots" / png.name
+            if match and int(match.group(1)) <= self.step and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(png, target)
+        if self.rows:
+            log.info("resumed from %s at step %d: %d earlier metric rows carried into %s", self.old_run, self.step,
+                     len(self.rows), self.out / "metrics.csv")
+
+
+def wandb_logger_nodes(cfg: DictConfig) -> list[str]:
+    """Names of the ``cfg.logger`` entries that are W&B loggers."""
+    return [name for name, node in (cfg.get("logger") or {}).items()
+            if node is not None and str(node.get("_target_", "")).endswith("WandbLogger")]
+
+
+def pin_wandb_run(cfg: DictConfig, history: History, out: Path) -> str | None:
+    """Give every W&B logger entry one run id (the resumed run's, else a new one), stored beside the checkpoint
+    so that a resume continues the same W&B run; returns the id (None: no W&B logger)."""
+    names = wandb_logger_nodes(cfg)
+    if not names:
+        return None
+    import wandb
+
+    run_id = history.wandb_id or wandb.util.generate_id()
+    with open_dict(cfg):
+        for name in names:
+            cfg.logger[name].id = run_id
+            cfg.logger[name].resume = "allow"
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / WANDB_ID_FILE).write_text(run_id + "\n")
+    return run_id
+
