@@ -1,0 +1,1 @@
+"""Paper reproductions: reported tables (experiments/<paper>/reported.csv) and the collector."""

@@ -1,0 +1,298 @@
+"""A paper's reported table next to ours, cell by cell: ``python -m experiments.collect <paper> RESULTS...``.
+
+``<paper>`` names a folder of ``experiments/`` holding ``reported.csv`` (one line per paper cell: table,
+paper_model, model, paper_row, row, train, eval, benchmark, metric, value, source). RESULTS are
+``task=evaluate`` run directories (``summary.json``) or sweep directories (``multirun/<...>/`` with
+``multirun.yaml`` and numbered job directories). A result cell matches a paper cell when
+
+- ``model`` / ``row`` equal the model and method labels of the evaluated run (the ``model.name`` and
+  ``method.name`` of the run that wrote the checkpoint),
+- ``train`` equals the training run's ``dataset=`` choice (from its ``.hydra/hydra.yaml``; empty for a model
+  evaluated without a checkpoint),
+- ``eval`` (``key=value;...``, may be empty) holds on the evaluation run's ``eval.`` config,
+- ``benchmark`` is the results-table column (``GSM8K``, ``Avg.``, ...).
+
+``--as OURS=PAPER`` renames our labels before matching (a tiny stand-in: ``--as tiny_olmoe=olmoe_0125``).
+Paper cells without a value (not in the specs) print ``n/a``; the difference is ours - paper, in points,
+and ``n/a`` where either side is missing or the metrics differ. Results on ``eval.limit`` rows are marked *.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from moe_lab.eval.eval_sets import EVAL_SETS
+from moe_lab.eval.results import AVERAGE, ResultsTable
+
+PAPERS_DIR = Path(__file__).resolve().parent
+FIELDS = ("table", "paper_model", "model", "paper_row", "row", "train", "eval", "benchmark", "metric", "value",
+          "source")
+OUT_FIELDS = ("table", "model", "method", "train", "benchmark", "metric", "paper", "ours", "diff", "limit", "run")
+_METRIC = {s.title: s.metric for s in EVAL_SETS.values()}
+
+
+@dataclass(frozen=True)
+class Ours:
+    """One cell of our results with where it came from."""
+
+    model: str
+    method: str
+    train: str | None  # the training run's dataset choice; "" = no checkpoint; None = unknown
+    benchmark: str
+    value: float | None
+    limit: int | None
+    run: Path
+    eval_cfg: dict
+
+
+def papers() -> list[str]:
+    return sorted(p.parent.name for p in PAPERS_DIR.glob("*/reported.csv"))
+
+
+def load_reported(paper: str, path: str | Path | None = None) -> list[dict]:
+    """The rows of ``experiments/<paper>/reported.csv`` or of ``path`` (``value`` as float or None)."""
+    path = Path(path) if path is not None else PAPERS_DIR / paper / "reported.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}: choose a paper from {', '.join(papers())}")
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != FIELDS:
+            raise ValueError(f"{path}: the header must be {','.join(FIELDS)}, found {reader.fieldnames}")
+        rows = list(reader)
+    for n, row in enumerate(rows, 2):
+        try:
+            row["value"] = float(row["value"]) if row["value"].strip() else None
+        except ValueError:
+            raise ValueError(f"{path} line {n}: value {row['value']!r} is not a number (leave it empty if "
+                             "the paper's number is not known)") from None
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Our results
+
+
+def _job_key(path: Path):
+    head = path.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else float("inf"), path.name)
+
+
+def _summary(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def eval_runs(paths) -> list[Path]:
+    """``task=evaluate`` run directories: each path is one, or a sweep directory (``multirun.yaml``) whose
+    job directories are taken in Hydra job order. Anything else is an error that says what to pass."""
+    runs = []
+    for arg in paths:
+        path = Path(arg)
+        summary = _summary(path)
+        if summary is not None:
+            if "table" not in summary:
+                raise ValueError(f"{path} is not a task=evaluate run (its summary.json has no results table): "
+                                 f"evaluate it first (python run.py task=evaluate task.checkpoint={path}/export ...)")
+            runs.append(path)
+        elif (path / "multirun.yaml").is_file():
+            jobs = sorted((p for p in path.iterdir() if p.is_dir() and (p / "summary.json").is_file()), key=_job_key)
+            evaluated = [p for p in jobs if "table" in (_summary(p) or {})]
+            if not evaluated:
+                raise ValueError(f"{path} is a sweep without task=evaluate results ({len(jobs)} finished jobs): "
+                                 "pass the sweep of `python run.py -m task=evaluate task.checkpoint=...`")
+            runs.extend(evaluated)
+        else:
+            raise FileNotFoundError(f"{path}: neither a task=evaluate run directory (summary.json) nor a sweep "
+                                    "directory (multirun.yaml)")
+    return runs
+
+
+def _training_run(checkpoint: str | None, eval_run: Path) -> Path | None:
+    """The run directory that wrote ``checkpoint`` (``<run>/export`` or ``<run>/checkpoints/x.ckpt``)."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint)
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, *(p / path for p in eval_run.parents)]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate.parent if candidate.is_dir() else candidate.parent.parent
+    return None
+
+
+def train_choice(checkpoint: str | None, eval_run: Path) -> str | None:
+    """The ``dataset=`` choice of the run that wrote ``checkpoint``; "" without a checkpoint; None if unknown."""
+    if checkpoint is None:
+        return ""
+    run = _training_run(checkpoint, eval_run)
+    hydra_yaml = run / ".hydra" / "hydra.yaml" if run is not None else None
+    if hydra_yaml is None or not hydra_yaml.is_file():
+        return None
+    return OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.runtime.choices.dataset")
+
+
+def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
+    """Every cell (and row average) of the given evaluate runs, labels renamed by ``aliases``."""
+    rename = (aliases or {}).get
+    cells = []
+    for run in runs:
+        summary = _summary(run)
+        table = ResultsTable.from_json(summary["table"], summary.get("columns"))
+        config = run / "config.yaml"
+        eval_cfg = OmegaConf.to_container(OmegaConf.load(config).eval) if config.is_file() else {}
+        train = train_choice(summary.get("checkpoint"), run)
+        train = rename(train, train) if train else train
+        for key, row in table.cells.items():
+            values = dict(row)
+            if table.averaged:
+                values[AVERAGE] = table.average(key)[0]
+            for column, value in values.items():
+                cells.append(Ours(rename(key[0], key[0]), rename(key[1], key[1]), train, column, value,
+                                  summary.get("limit"), run, eval_cfg or {}))
+    return cells
+
+
+# ----------------------------------------------------------------------------------------------------
+# Matching
+
+
+def _eval_holds(conditions: str, eval_cfg: dict) -> bool:
+    """``"generation.temperature=0.6;datasets=..."`` against an evaluation run's ``eval`` config."""
+    cfg = OmegaConf.create(eval_cfg)
+    for condition in filter(None, (c.strip() for c in conditions.split(";"))):
+        key, _, expected = condition.partition("=")
+        actual = OmegaConf.select(cfg, key.strip())
+        try:
+            if float(actual) != float(expected):
+                return False
+        except (TypeError, ValueError):
+            if str(actual) != expected.strip():
+                return False
+    return True
+
+
+def _matches(paper: dict, ours: Ours) -> bool:
+    return (ours.model == paper["model"] and ours.method == paper["row"] and ours.benchmark == paper["benchmark"]
+            and ours.train == paper["train"] and _eval_holds(paper["eval"], ours.eval_cfg))
+
+
+def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) -> tuple[list[dict], list[Ours]]:
+    """(comparison rows in ``OUT_FIELDS``, our cells that match no paper cell).
+
+    Only tables with at least one of our cells are listed unless ``all_tables``; where several of our runs
+    match one paper cell the last one given wins (and a warning names both)."""
+    used: set[int] = set()
+    rows = []
+    for paper in reported:
+        hits = [k for k, cell in enumerate(ours) if _matches(paper, cell)]
+        used.update(hits)
+        if len(hits) > 1:
+            names = ", ".join(str(ours[k].run) for k in hits)
+            print(f"warning: {paper['table']} / {paper['row']} / {paper['benchmark']}: several results ({names}); "
+                  "the last is shown", file=sys.stderr)
+        mine = ours[hits[-1]] if hits else None
+        value = None if mine is None else mine.value
+        our_metric = _METRIC.get(paper["benchmark"], paper["metric"])
+        comparable = our_metric == paper["metric"]
+        diff = value - paper["value"] if comparable and value is not None and paper["value"] is not None else None
+        rows.append({
+            "table": paper["table"], "model": paper["paper_model"], "method": paper["paper_row"],
+            "train": paper["train"], "benchmark": paper["benchmark"],
+            "metric": paper["metric"] if comparable else f"{paper['metric']} (ours: {our_metric})",
+            "paper": paper["value"], "ours": value, "diff": diff,
+            "limit": None if mine is None else mine.limit, "run": None if mine is None else str(mine.run),
+        })
+    if not all_tables:
+        shown = {r["table"] for r in rows if r["run"] is not None}
+        rows = [r for r in rows if r["table"] in shown]
+    return rows, [cell for k, cell in enumerate(ours) if k not in used]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(value, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.2f}" if signed else f"{value:.2f}"
+
+
+def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
+    """One markdown table per paper table, then our cells that match no paper cell."""
+    lines: list[str] = []
+    header = ["model", "method", "train", "benchmark", "metric", "paper", "ours", "diff"]
+    limited = False
+    for table in dict.fromkeys(r["table"] for r in rows):
+        lines += [f"### {table}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in (r for r in rows if r["table"] == table):
+            mark = "*" if r["limit"] is not None and r["ours"] is not None else ""
+            limited |= bool(mark)
+            cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]),
+                     _fmt(r["ours"]) + mark, _fmt(r["diff"], signed=True)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if limited:
+        lines += ["\\* ours on the first eval.limit rows of each set only", ""]
+    if not rows:
+        lines += ["(no paper table has a result among the given runs)", ""]
+    if unmatched:
+        lines += ["### ours without a paper cell", "", "| model | method | train | benchmark | ours | run |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {c.model} | {c.method} | {c.train if c.train is not None else '?'} | {c.benchmark} | "
+                  f"{_fmt(c.value)} | {c.run} |" for c in unmatched]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path, rows: list[dict], markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "comparison.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=OUT_FIELDS)
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    (out / "comparison.md").write_text(markdown, encoding="utf-8")
+
+
+def _alias(text: str) -> tuple[str, str]:
+    ours, sep, paper = text.partition("=")
+    if not sep or not ours or not paper:
+        raise argparse.ArgumentTypeError(f"--as {text!r}: write OURS=PAPER, e.g. --as tiny_olmoe=olmoe_0125")
+    return ours, paper
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.collect", description=__doc__.split("\n")[0])
+    parser.add_argument("paper", help=f"one of: {', '.join(papers())}")
+    parser.add_argument("results", nargs="+", help="task=evaluate run directories or sweep directories")
+    parser.add_argument("--out", default=None, help="write comparison.csv and comparison.md into this directory")
+    parser.add_argument("--as", dest="aliases", type=_alias, action="append", default=[], metavar="OURS=PAPER",
+                        help="rename one of our model / method / train labels before matching (repeatable)")
+    parser.add_argument("--all", action="store_true", help="also list paper tables with none of our results")
+    parser.add_argument("--reported", default=None, help="a reported.csv to use instead of the paper's (e.g. a "
+                        "copy with the paper's numbers filled in)")
+    args = parser.parse_args(argv)
+    try:
+        reported = load_reported(args.paper, args.reported)
+        ours = load_ours(eval_runs(args.results), dict(args.aliases))
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows, unmatched = compare(reported, ours, all_tables=args.all)
+    markdown = to_markdown(rows, unmatched)
+    if args.out:
+        write_outputs(Path(args.out), rows, markdown)
+    print(markdown, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

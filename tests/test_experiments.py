@@ -1,0 +1,308 @@
+"""Paper presets (conf/experiment) against the papers' hyper-parameters, and the experiments collector.
+
+The expected values below are written from ../shared/specs/finetuning.md section 2 (and the public code it
+cites), not read from the presets, so a preset that drifts from the paper fails here.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from experiments import collect
+from tests.conftest import ROOT
+
+CONF = ROOT / "conf"
+EXPERIMENTS = CONF / "experiment"
+
+OLMOE_0125, OLMOE_0924 = "allenai/OLMoE-1B-7B-0125", "allenai/OLMoE-1B-7B-0924"
+QWEN15, DSV2 = "Qwen/Qwen1.5-MoE-A2.7B", "deepseek-ai/DeepSeek-V2-Lite"
+HF_BETAS, HF_WD = [0.9, 0.999], 0.0  # HF Trainer defaults, used where a paper and its code are silent
+
+
+def _hp(model, dataset, lr, batch, epochs, seq, warmup, schedule, eval_group, wd=HF_WD, betas=HF_BETAS,
+        clip=1.0, steps=-1, **extra):
+    return dict(model=model, dataset=dataset, lr=lr, global_batch=batch, epochs=epochs, steps=steps, seq=seq,
+                warmup_ratio=warmup, schedule=schedule, eval=eval_group, wd=wd, betas=betas, clip=clip, **extra)
+
+
+# preset -> hyper-parameters (finetuning.md section 2; "Pub" = the public code the spec quotes)
+CONDENSER_OLMOE = _hp(OLMOE_0125, "math7k", 2e-5, 256, 2, 4096, 0.03, "linear", "math7")  # DenseMixer Pub OLMoE
+CONDENSER_QWEN = _hp(QWEN15, "math7k", 1e-5, 64, 2, 4096, 0.1, "cosine", "math7")  # DenseMixer Pub Qwen1.5
+S1 = {"lr": 1e-5, "batch": 16, "epochs": 5, "seq": 16384, "warmup": 0.05, "schedule": "cosine",
+      "eval_group": "hard_reasoning"}
+CE = {"lr": 2e-5, "batch": 128, "epochs": 2, "seq": 4096, "warmup": 0.03, "schedule": "cosine", "eval_group": "math7"}
+EXPECTED = {
+    "condenser/math_olmoe": CONDENSER_OLMOE,
+    "olmoe_math_sft": {**CONDENSER_OLMOE, "method": "sft"},
+    "condenser/math_qwen1_5": CONDENSER_QWEN,
+    "condenser/math_dsv2lite": {**CONDENSER_QWEN, "model": DSV2},
+    "condenser/math_gptoss": {**CONDENSER_QWEN, "model": "openai/gpt-oss-20b"},
+    "condenser/commonsense_olmoe": {**CONDENSER_OLMOE, "dataset": "commonsense15k", "eval": "commonsense8"},
+    "condenser/commonsense_qwen1_5": {**CONDENSER_QWEN, "dataset": "commonsense15k", "eval": "commonsense8"},
+    "condenser/s1_qwen3": _hp("Qwen/Qwen3-30B-A3B", "s1k", **S1),
+    "condenser/s1_dscoder": _hp("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct", "s1k", **S1),
+    "condenser/s1_qwen1_5": _hp(QWEN15, "s1k", **S1),
+    "densemixer/esft_olmoe": _hp(OLMOE_0125, "esft_intent", 2e-5, 256, 4, 4096, 0.03, "linear", "esft"),
+    "densemixer/esft_qwen1_5": _hp(QWEN15, "esft_intent", 1e-5, 64, 3, 4096, 0.1, "cosine", "esft"),
+    "densemixer/s1_qwen3_base": _hp("Qwen/Qwen3-30B-A3B-Base", "s1k", **S1),
+    "compressed_experts/olmoe": _hp(OLMOE_0924, "mathinstruct", **CE),
+    "compressed_experts/olmoe_topk_half": _hp(OLMOE_0924, "mathinstruct", **CE, top_k=4, method="sft"),
+    "compressed_experts/phimoe": _hp("microsoft/Phi-3.5-MoE-instruct", "mathinstruct", **{**CE, "lr": 1e-5}),
+    "compressed_experts/phimoe_topk_half": _hp("microsoft/Phi-3.5-MoE-instruct", "mathinstruct",
+                                               **{**CE, "lr": 1e-5}, top_k=1, method="sft"),
+    "esft/dsv2lite": _hp(DSV2, "esft_intent", 1e-5, 128, -1, 4096, 0.0, "constant", "esft", wd=0.1,
+                         betas=[0.9, 0.95], steps=500),
+}
+TINY = {"tiny_grid", "condenser/tiny_grid"}  # CPU stand-ins: composed and run, no paper values
+
+
+def _presets() -> list[str]:
+    return sorted(p.relative_to(EXPERIMENTS).with_suffix("").as_posix() for p in EXPERIMENTS.rglob("*.yaml")
+                  if p.parent.name != "row")
+
+
+def _rows() -> list[str]:
+    return sorted(p.stem for p in (EXPERIMENTS / "row").glob("*.yaml"))
+
+
+@functools.cache
+def _compose(*overrides):
+    """The composed config (cached: several tests read the same composition; none mutates it)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1]
+
+
+def test_every_preset_has_expected_values():
+    assert set(_presets()) == set(EXPECTED) | TINY
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_preset_carries_the_papers_hyper_parameters(preset):
+    want = EXPECTED[preset]
+    cfg = _compose(f"experiment={preset}")
+    task, data = cfg.task, cfg.dataset
+    assert cfg.model.pretrained == want["model"]
+    assert cfg.hydra.runtime.choices.dataset == want["dataset"]
+    assert cfg.hydra.runtime.choices.hardware == "gpu" and cfg.hardware.trainer.devices == 1
+    assert task.optim.lr == pytest.approx(want["lr"], rel=0, abs=0)
+    assert data.batch_size * task.trainer.accumulate_grad_batches == want["global_batch"]
+    assert (task.trainer.max_epochs, task.trainer.max_steps) == (want["epochs"], want["steps"])
+    assert data.max_length == want["seq"]
+    assert task.scheduler.name == want["schedule"]
+    assert task.scheduler.warmup_ratio == want["warmup_ratio"] and task.scheduler.warmup_steps == 0
+    assert task.scheduler.min_lr_ratio == 0.0  # HF/TRL schedules decay to 0
+    assert task.optim.weight_decay == want["wd"] and list(task.optim.betas) == want["betas"]
+    assert task.trainer.gradient_clip_val == want["clip"]
+    assert cfg.eval.name == want["eval"]
+    assert cfg.hydra.runtime.choices.method == want.get("method", "sft")
+    if "top_k" in want:
+        assert cfg.model.config.num_experts_per_tok == want["top_k"] and cfg.method.name == "sft_topk_half"
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED) + sorted(TINY))
+def test_preset_sets_only_keys_the_configs_define(preset):
+    """Hydra merges a preset's keys without checking them: a typo (warmup_ration) would pass silently."""
+    cfg = _compose(f"experiment={preset}")
+    choices = cfg.hydra.runtime.choices
+    groups = ("model", "dataset", "method", "hardware", "eval", "logger", "callbacks")
+    base = _compose(*(f"{group}={choices[group]}" for group in groups if choices.get(group) is not None))
+    known = set(_leaves(OmegaConf.to_container(base)))
+    extra = [k for k in _leaves(OmegaConf.to_container(cfg)) if k not in known and not k.startswith(
+        ("model.config.", "hydra."))]
+    assert not extra, f"{preset} sets keys no config group defines: {extra}"
+
+
+def test_main_rows_use_the_papers_method_knobs():
+    condenser = _compose("experiment=condenser/math_olmoe", "method=condenser").method
+    assert (condenser.options.gamma, condenser.options.n, condenser.options.select, condenser.options.budget,
+            condenser.aux_loss_coef) == (1e-4, 2, "lowest_bias", "replace", 0.0)
+    assert _compose("experiment=esft/dsv2lite", "method=esft_token").method.p == 0.2
+    ce = _compose("experiment=compressed_experts/olmoe", "method=compressed_experts").method
+    assert ce.options.k_main is None and ce.options.full_finetune is True  # k_main = k/2, full fine-tuning
+
+
+ROWS = {  # row file -> (method group, label, method knobs)
+    "condenser": ("condenser", "condenser", {"options.n": 2, "options.select": "lowest_bias", "options.gamma": 1e-4}),
+    "condenser_aux_free": ("sft_aux_free", "aux_free", {}),
+    "condenser_aux_free_bias": ("condenser", "aux_free_bias", {"options.n": 0, "options.gamma": 1e-4}),
+    "condenser_highest_bias": ("condenser", "condenser_highest_bias", {"options.select": "highest_bias",
+                                                                       "options.n": 2}),
+    "condenser_gamma_sweep": ("condenser", "condenser_gamma0.0001", {"options.n": 2}),
+    "densemixer_lora_conventional": ("sft", "sft_lora", {"lora.rank": 8, "lora.train_router": True}),
+    "densemixer_lora_frozen_router": ("frozen_router", "frozen_router_lora", {"lora.rank": 8,
+                                                                              "lora.train_router": False}),
+    "densemixer_lora_densemixer": ("densemixer", "densemixer_lora", {"lora.rank": 8, "lora.train_router": True}),
+    "compressed_experts_k_main_sweep": ("compressed_experts", "compressed_experts_kNone", {}),
+}
+
+
+def test_every_row_file_is_checked():
+    assert set(_rows()) == set(ROWS)
+
+
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_row_files_set_method_label_and_knobs(row):
+    group, label, knobs = ROWS[row]
+    cfg = _compose("experiment=condenser/math_olmoe", f"+experiment/row={row}")
+    assert cfg.hydra.runtime.choices.method == group and cfg.method.name == label
+    for key, value in knobs.items():
+        assert OmegaConf.select(cfg.method, key) == value, key
+    assert cfg.task.optim.lr == (2e-4 if "lora" in row else 2e-5)  # LoRA: Pub lr range 2e-4 .. 5e-4
+    if "lora" in row:
+        assert set(cfg.method.lora.targets) == {"experts", "shared_experts", "attention", "dense_mlp"}
+
+
+def test_sweep_rows_label_each_job_like_reported_csv():
+    """The ablation sweeps' job labels are exactly the rows the layout expects."""
+    gamma = _compose("experiment=condenser/math_olmoe", "+experiment/row=condenser_gamma_sweep")
+    values = str(gamma.hydra.sweeper.params["method.options.gamma"]).split(",")
+    assert [float(v) for v in values] == [1e-6, 1e-5, 1e-4, 1e-3, 1e-2]
+    labels = {_compose("experiment=condenser/math_olmoe", "+experiment/row=condenser_gamma_sweep",
+                       f"method.options.gamma={v}").method.name for v in values}
+    reported = {r["row"] for r in collect.load_reported("condenser") if r["table"] == "Gamma sweep"}
+    assert labels == reported
+    ce = _compose("experiment=compressed_experts/olmoe", "+experiment/row=compressed_experts_k_main_sweep")
+    ks = str(ce.hydra.sweeper.params["method.options.k_main"]).split(",")
+    reported = {r["row"] for r in collect.load_reported("compressed_experts") if r["table"] == "k_main sweep"}
+    assert {f"compressed_experts_k{k}" for k in ks} == reported
+
+
+def test_reported_rows_are_labels_our_presets_produce():
+    methods = {p.stem for p in (CONF / "method").glob("*.yaml")}
+    produced = methods | {"sft_topk_half"} | {label for _, label, _ in ROWS.values()}
+    for paper in collect.papers():
+        for row in collect.load_reported(paper):
+            assert row["row"] in produced or row["table"] in ("Gamma sweep", "k_main sweep"), (paper, row["row"])
+            assert (CONF / "model").joinpath(f"{row['model']}.yaml").is_file(), (paper, row["model"])
+
+
+def test_reported_values_come_only_from_the_specs():
+    """No paper number is in the specs, so every value is empty and its source says where to fill it from."""
+    assert collect.papers() == ["compressed_experts", "condenser", "densemixer", "esft"]
+    for paper in collect.papers():
+        rows = collect.load_reported(paper)
+        assert rows
+        for row in rows:
+            assert row["value"] is None and "not in specs" in row["source"], (paper, row)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The collector on synthetic result directories
+
+
+def _finetune_run(root: Path, name: str, dataset: str) -> Path:
+    run = root / name
+    (run / "export").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      dataset: {dataset}\n")
+    (run / "summary.json").write_text(json.dumps({"model": "x", "method": "y", "global_step": 3}))
+    return run
+
+
+def _eval_run(path: Path, model: str, method: str, cells: dict, checkpoint, limit=None, temperature=0.0):
+    path.mkdir(parents=True)
+    table = [{"model": model, "method": method, "column": c, "value": v, "averaged": True} for c, v in cells.items()]
+    (path / "summary.json").write_text(json.dumps({"model": model, "method": method, "table": table,
+                                                   "columns": list(cells), "limit": limit,
+                                                   "checkpoint": None if checkpoint is None else str(checkpoint)}))
+    (path / "config.yaml").write_text(f"eval:\n  name: math7\n  generation:\n    temperature: {temperature}\n")
+
+
+def _reported(path: Path, rows: list[tuple]) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(collect.FIELDS)
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """A finetune sweep (math7k) and an evaluate sweep (multirun.yaml, numbered jobs) over its exports."""
+    sft = _finetune_run(tmp_path / "ft", "0_olmoe_0125_sft", "math7k")
+    cond = _finetune_run(tmp_path / "ft", "1_olmoe_0125_condenser", "math7k")
+    (tmp_path / "ft" / "multirun.yaml").write_text("task:\n  name: finetune\n")
+    ev = tmp_path / "ev"
+    _eval_run(ev / "0_olmoe_0125_sft", "olmoe_0125", "sft", {"GSM8K": 40.0, "SVAMP": 60.0}, sft / "export")
+    _eval_run(ev / "1_olmoe_0125_condenser", "olmoe_0125", "condenser", {"GSM8K": 45.5, "SVAMP": 62.0},
+              cond / "export", limit=8)
+    (ev / "multirun.yaml").write_text("task:\n  name: evaluate\n")
+    return tmp_path
+
+
+def _lines(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_collector_prints_ours_next_to_the_paper_with_differences(sweep, tmp_path, capsys):
+    paper = _reported(tmp_path / "reported.csv", [
+        ("Math7K", "OLMoE", "olmoe_0125", "SFT", "sft", "math7k", "", "GSM8K", "acc", "50.0", "test"),
+        ("Math7K", "OLMoE", "olmoe_0125", "SFT", "sft", "math7k", "", "SVAMP", "acc", "", "test"),
+        ("Math7K", "OLMoE", "olmoe_0125", "SFT", "sft", "math7k", "", "Avg.", "acc", "52.25", "test"),
+        ("Math7K", "OLMoE", "olmoe_0125", "Ours", "condenser", "math7k", "", "GSM8K", "acc", "44", "test"),
+        ("Math14K", "OLMoE", "olmoe_0125", "SFT", "sft", "math14k", "", "GSM8K", "acc", "51", "test"),
+    ])
+    out = tmp_path / "cmp"
+    assert collect.main(["condenser", str(sweep / "ev"), "--reported", str(paper), "--out", str(out)]) == 0
+    rows = _lines(capsys.readouterr().out)
+    body = {(r[1], r[3]): r[5:] for r in rows if r[0] == "OLMoE"}
+    assert body[("SFT", "GSM8K")] == ["50.00", "40.00", "-10.00"]
+    assert body[("SFT", "SVAMP")] == ["n/a", "60.00", "n/a"]  # no paper value: n/a, no difference
+    assert body[("SFT", "Avg.")] == ["52.25", "50.00", "-2.25"]  # (40 + 60) / 2
+    assert body[("Ours", "GSM8K")] == ["44.00", "45.50*", "+1.50"]  # eval.limit run marked
+    assert ("SFT", "GSM8K") in body and len(body) == 4  # Math14K: trained on math7k, so no match, not shown
+    unmatched = [r for r in rows if r[0] == "olmoe_0125"]  # ours without a paper cell
+    assert {(r[1], r[3]) for r in unmatched} == {("condenser", "SVAMP"), ("condenser", "Avg.")}
+    with open(out / "comparison.csv") as f:
+        saved = {(r["method"], r["benchmark"]): r for r in csv.DictReader(f)}
+    assert float(saved[("SFT", "GSM8K")]["diff"]) == -10.0 and saved[("SFT", "SVAMP")]["paper"] == ""
+    assert (out / "comparison.md").read_text().startswith("### Math7K")
+
+
+def test_collector_reads_single_runs_and_real_layouts(sweep, capsys):
+    """A single run directory against the shipped condenser layout: paper cells print n/a."""
+    run = sweep / "ev" / "0_olmoe_0125_sft"
+    assert collect.main(["condenser", str(run)]) == 0
+    rows = _lines(capsys.readouterr().out)
+    olmoe = {r[3]: r[5:] for r in rows if r[0] == "OLMoE-1B-7B-0125" and r[1] == "SFT"}
+    assert olmoe["GSM8K"] == ["n/a", "40.00", "n/a"] and olmoe["MAWPS"] == ["n/a", "n/a", "n/a"]
+    assert {r[0] for r in rows} >= {"OLMoE-1B-7B-0125", "DeepSeek-V2-Lite"}  # the whole Math7K table
+
+
+def test_collector_matches_eval_settings_and_aliases(tmp_path, capsys):
+    ft = _finetune_run(tmp_path, "run", "math_data")
+    _eval_run(tmp_path / "ev_t06", "tiny_olmoe", "sft", {"AIME24": 10.0}, ft / "export", temperature=0.6)
+    paper = _reported(tmp_path / "reported.csv", [
+        ("S1 T0.6", "Q", "qwen", "C", "sft", "s1k", "generation.temperature=0.6", "AIME24", "pass@1", "12", "t"),
+        ("S1 T1.0", "Q", "qwen", "C", "sft", "s1k", "generation.temperature=1.0", "AIME24", "pass@1", "9", "t"),
+    ])
+    argv = [str(tmp_path / "ev_t06"), "--reported", str(paper), "--as", "tiny_olmoe=qwen", "--as", "math_data=s1k"]
+    assert collect.main(["x", *argv]) == 0
+    rows = _lines(capsys.readouterr().out)
+    assert [r[5:] for r in rows if r[0] == "Q"] == [["12.00", "10.00", "-2.00"]]  # T=1.0 table not shown
+
+
+def test_collector_explains_wrong_directories(sweep, tmp_path, capsys):
+    assert collect.main(["condenser", str(sweep / "ft")]) == 2
+    assert "sweep without task=evaluate results" in capsys.readouterr().err
+    assert collect.main(["condenser", str(sweep / "ft" / "0_olmoe_0125_sft")]) == 2
+    assert "not a task=evaluate run" in capsys.readouterr().err
+    assert collect.main(["condenser", str(tmp_path / "nowhere")]) == 2
+    assert "neither a task=evaluate run directory" in capsys.readouterr().err
+    assert collect.main(["nopaper", str(sweep / "ev")]) == 2
+    assert "choose a paper from compressed_experts, condenser, densemixer, esft" in capsys.readouterr().err
