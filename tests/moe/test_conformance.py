@@ -26,12 +26,25 @@ HF_TESTER_DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 16, "q_lora_rank": 32,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
 }
-VARIANTS = [(f, {}) for f in FAMILIES] + [
-    ("deepseek_v3", HF_TESTER_DEEPSEEK_V3),
+VARIANTS = [(f, {}, torch.float32) for f in FAMILIES] + [
+    # bfloat16: every dtype cast of the HF blocks (router weights back to the logits dtype or not, expert
+    # outputs into the accumulator) is reproduced
+    *[(f, {}, torch.bfloat16) for f in FAMILIES],
+    ("deepseek_v3", HF_TESTER_DEEPSEEK_V3, torch.float32),
     # V2 group-limited greedy with top_k beyond the kept groups: HF gives those experts weight 0.0
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1,
-                     "num_experts_per_tok": 3, "routed_scaling_factor": 2.0}),
+                     "num_experts_per_tok": 3, "routed_scaling_factor": 2.0}, torch.float32),
+    # training-time input jitter (Mixtral once, PhiMoE twice) drawn from the same generator state
+    ("mixtral", {"router_jitter_noise": 0.1}, torch.float32),
+    ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
 ]
+
+
+def _variant_id(value):
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method")
+                        or "jitter" in k) or "default"
+    return str(value).removeprefix("torch.")
 
 
 def _forward_backward(model, batch, seed=7):
@@ -47,10 +60,9 @@ def _assert_equal(got, ref, what):
 
 
 @pytest.mark.filterwarnings("ignore:top_k=.*exceeds")
-@pytest.mark.parametrize("family,overrides", VARIANTS, ids=lambda v: v if isinstance(v, str) else
-                         ",".join(f"{k}={w}" for k, w in v.items() if k in ("num_experts_per_tok", "topk_method")))
-def test_forward_and_gradients_equal_vanilla(family, overrides):
-    vanilla = build_tiny(family, **overrides)
+@pytest.mark.parametrize("family,overrides,dtype", VARIANTS, ids=_variant_id)
+def test_forward_and_gradients_equal_vanilla(family, overrides, dtype):
+    vanilla = build_tiny(family, **overrides).to(dtype)
     ours = copy.deepcopy(vanilla)
     patch = moe_lab.apply(ours, "sft")
     assert all(isinstance(layer, MoEBlock) for layer in patch.layers)
