@@ -68,7 +68,7 @@ def test_frozen_router_on_qwen3_keeps_router_weights(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in experts)
 
 
-GRID = ["sft", "frozen_router", "sft_aux", "esft_gate", "esft_token", "densemixer", "condenser",
+GRID = ["sft", "frozen_router", "sft_aux_free", "esft_gate", "esft_token", "densemixer", "condenser",
         "compressed_experts"]
 
 

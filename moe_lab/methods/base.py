@@ -3,16 +3,21 @@ frozen-router SFT; later methods subclass it)."""
 
 from __future__ import annotations
 
+import logging
+import math
 from functools import partial
 
 import lightning as L
 import torch
 
-from ..data.packing import model_inputs, real_token_mask, verify_packing
-from ..moe.patch import switch_aux_loss
+from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
+from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
+from .precision import apply_master_weights, check_mode
 from .registry import apply
-from .schedules import lr_multiplier
+from .schedules import lr_multiplier, warmup_steps_for
+
+log = logging.getLogger(__name__)
 
 
 def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_decay: float) -> None:
@@ -43,9 +48,11 @@ def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_
 class MoELightningModule(L.LightningModule):
     """Wraps an HF MoE model patched by ``moe_lab.apply(model, method, **options)``.
 
-    Loss is the HF causal-LM loss on response tokens (labels are -100 elsewhere). ``aux_loss_coef``
-    is mapped onto the family's aux-loss field (HF adds it to the loss once); families without an HF
-    aux loss get moe-lab's Switch loss added here instead. ``None`` keeps the model config unchanged.
+    Loss is the HF causal-LM loss on response tokens (labels are -100 elsewhere). ``aux_loss_coef``: a
+    number, or ``"native"`` = the family's own coefficient (:func:`~moe_lab.moe.aux_loss.native_aux_loss_coef`);
+    it is mapped onto the family's aux-loss field when HF adds the loss itself, otherwise the registry's loss
+    (DeepSeek: the sequence-wise balance loss) is added here, once. ``master_weights``: see
+    :mod:`moe_lab.methods.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
     """
 
     def __init__(
@@ -53,33 +60,58 @@ class MoELightningModule(L.LightningModule):
         model: torch.nn.Module,
         method: str = "sft",
         options: dict | None = None,
-        aux_loss_coef: float | None = 0.0,
+        aux_loss_coef: float | str = 0.0,
         optim: dict | None = None,
         scheduler: dict | None = None,
         gradient_checkpointing: bool = False,
         name: str | None = None,
         lora: dict | None = None,
+        master_weights: str = "fp32",
     ):
         super().__init__()
         self.model = model
         self.method = method
         self.patch = apply(model, method, lora=_plain(lora) or None, **(_plain(options) or {}))
-        self.aux_loss_coef = aux_loss_coef
-        self._moe_lab_adds_aux = False
-        if aux_loss_coef is not None:
-            self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(float(aux_loss_coef)) and aux_loss_coef > 0
+        self.aux_loss_coef = self._resolve_aux_loss_coef(aux_loss_coef)
+        self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(self.aux_loss_coef) and self.aux_loss_coef > 0
+        self.master_weights = check_mode(master_weights)
         self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
-        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, **(_plain(scheduler) or {})}
+        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
+                              **(_plain(scheduler) or {})}
         if gradient_checkpointing:
             model.activation_checkpointing_enable()
         self.save_hyperparameters({  # plain containers only: checkpoints load with weights_only=True
             "name": name or method, "method": method, "options": _plain(options) or {},
             "aux_loss_coef": aux_loss_coef, "optim": self.optim, "scheduler": self.scheduler_cfg,
             "gradient_checkpointing": gradient_checkpointing, "lora": _plain(lora),
+            "master_weights": master_weights,
         })
+
+    def _resolve_aux_loss_coef(self, coef) -> float:
+        spec = self.patch.spec
+        if coef == "native":
+            coef = native_aux_loss_coef(spec, self.model.config)
+            source = f"config.{spec.aux_loss_field}" if spec.aux_loss_field else "registry"
+            log.info("aux loss: %s's native coefficient %g (%s; loss: %s)", spec.model_type, coef, source,
+                     spec.aux_loss)
+            return coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+            raise ValueError(f"method.aux_loss_coef={coef!r}: give a number >= 0 (0 = off) or 'native' (the "
+                             "family's own coefficient)")
+        return float(coef)
 
     def forward(self, **batch):
         return self.model(**batch)
+
+    def configure_model(self):
+        """fp32 master weights (``master_weights``), before the strategy converts or wraps the model."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        apply_master_weights(self.model, trainer.precision, self.master_weights,
+                             optimizer_keeps_fp32=isinstance(trainer.strategy, DeepSpeedStrategy))
 
     def on_fit_start(self):
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -93,8 +125,8 @@ class MoELightningModule(L.LightningModule):
         loss = out.loss
         aux = getattr(out, "aux_loss", None)
         if self._moe_lab_adds_aux:
-            layer = self.patch.layers[0]
-            aux = switch_aux_loss(out.router_logits, layer.num_experts, layer.top_k, mask)
+            documents = torch.cumsum(batch["position_ids"] == 0, dim=1) if is_packed(batch) else None
+            aux = added_aux_loss(self.patch, out.router_logits, mask, documents)
             loss = loss + self.aux_loss_coef * aux
         on_step = stage == "train"
         batch_size = batch["input_ids"].shape[0]
@@ -134,9 +166,16 @@ class MoELightningModule(L.LightningModule):
         )
         if masked and self.optim["weight_decay"]:
             sliced_weight_decay(optimizer, self.patch.expert_slice_masks.values(), self.optim["weight_decay"])
-        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         s = self.scheduler_cfg
-        schedule = partial(lr_multiplier, total_steps=total, name=s["name"], warmup_steps=int(s["warmup_steps"]),
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+        if not math.isfinite(total):
+            if s["name"] != "constant" or s["warmup_ratio"] is not None:
+                raise ValueError(f"task.scheduler.name={s['name']} needs the number of optimizer steps: set "
+                                 "task.trainer.max_steps (or max_epochs with a sized dataset)")
+            total = 1
+        total = int(total)
+        warmup = warmup_steps_for(total, int(s["warmup_steps"]), s["warmup_ratio"])
+        schedule = partial(lr_multiplier, total_steps=total, name=s["name"], warmup_steps=warmup,
                            min_lr_ratio=float(s["min_lr_ratio"]))
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}

@@ -6,9 +6,15 @@ DenseMixer's and ESFT's slices, sees the adapted experts). ``nn.Linear`` targets
 experts, dense MLPs) get the usual activation-space adapter ``W x + (alpha / rank) * B A dropout(x)``.
 Input dropout cannot be factored out of a weight parametrization, so ``dropout > 0`` is applied to the
 linear targets only (and rejected when only packed experts are targeted). B starts at zero, so the
-adapted model equals the base model at step 0. Base weights are frozen; the router stays frozen or
-trains full-rank beside the adapters (``train_router``); parameters a method adds (e.g. Compressed
-Experts' vectors) keep training. :func:`merged_state_dict` gives the merged weights for export.
+adapted model equals the base model at step 0.
+
+As in the DenseMixer paper, adapters go on every linear module except the router (default targets: all
+of :data:`TARGETS`); a target list naming the router is refused. Base weights are frozen, except the
+router: it keeps the trainability the method gave it and trains full rank beside the adapters
+("Conventional + LoRA": ``sft``; "DenseMixer + LoRA": ``densemixer``, with its straight-through gradient)
+or stays frozen ("Frozen Router + LoRA": ``frozen_router``; ESFT). Linear targets whose base weight the
+method freezes (e.g. ESFT's attention) get no adapter. Parameters a method adds (e.g. Compressed Experts'
+vectors) keep training. :func:`merged_state_dict` gives the merged weights for export.
 """
 
 from __future__ import annotations
@@ -69,27 +75,34 @@ def add_lora(
     rank: int = 8,
     alpha: float = 16.0,
     dropout: float = 0.0,
-    targets: list[str] | tuple[str, ...] = ("experts",),
-    train_router: bool = False,
+    targets: list[str] | tuple[str, ...] = TARGETS,
+    train_router=None,
 ) -> None:
-    """Freeze the base weights (ids in ``base_parameters``) and attach adapters to ``targets``."""
+    """Freeze the base weights (ids in ``base_parameters``) except the router, and attach adapters to
+    ``targets``. The router keeps the trainability the method gave it (full rank)."""
     targets = list(targets)
+    if train_router is not None:
+        raise ValueError("method.lora.train_router is gone: the method decides whether the router trains (full "
+                         "rank): method=sft / densemixer train it, method=frozen_router freezes it")
+    if any("router" in str(t) or str(t) == "gate" for t in targets):
+        raise ValueError(f"method.lora.targets={targets} names the router: LoRA goes on every linear module except "
+                         "the router (DenseMixer paper), which trains full rank or stays frozen as the method "
+                         f"decides (method=frozen_router freezes it); choose from {', '.join(TARGETS)}")
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
-        raise ValueError(f"lora.targets={targets}: choose from {', '.join(TARGETS)}")
+        raise ValueError(f"method.lora.targets={targets}: choose from {', '.join(TARGETS)}")
     if rank < 1:
-        raise ValueError(f"lora.rank must be >= 1, got {rank}")
+        raise ValueError(f"method.lora.rank must be >= 1, got {rank}")
     if dropout and targets == ["experts"]:
-        raise ValueError("lora.dropout > 0 cannot apply to packed experts (the input cannot be factored out of "
-                         "a weight parametrization): set lora.dropout=0 or add linear targets")
+        raise ValueError("method.lora.dropout > 0 cannot apply to packed experts (the input cannot be factored "
+                         "out of a weight parametrization): set method.lora.dropout=0 or add linear targets")
     scale = alpha / rank
+    router = {id(p) for view in patch.views for p in view.router.parameters()}
+    linear = _linear_targets(patch, targets)
+    method_trains = {id(m.weight) for m in linear if m.weight.requires_grad}
     for p in patch.model.parameters():
-        if id(p) in base_parameters:
+        if id(p) in base_parameters and id(p) not in router:
             p.requires_grad_(False)
-    if train_router:
-        for view in patch.views:
-            for p in view.router.parameters():
-                p.requires_grad_(True)
     patch.lora_modules = []
     if "experts" in targets:
         for view in patch.views:
@@ -103,7 +116,9 @@ def add_lora(
                     for i, p in enumerate((lora.lora_A, lora.lora_B)):
                         p.register_hook(SliceGradMask(mask))
                         patch.expert_slice_masks[f"{view.name}.experts.{name}.lora{i}"] = (p, mask)
-    for module in _linear_targets(patch, targets):
+    for module in linear:
+        if id(module.weight) not in method_trains:
+            continue  # the method freezes this weight (e.g. ESFT's attention): no adapter either
         lora = LinearLoRA(module, rank, scale, dropout)
         module.add_module("lora", lora)
         module.register_forward_hook(lora.hook)

@@ -171,12 +171,12 @@ class MoEPatch:
     def set_aux_loss_coef(self, coef: float) -> bool:
         """Map ``coef`` onto the family's aux-loss field; True if HF adds it to the loss itself.
 
-        Families without an HF aux loss (DeepSeek) return False: the caller adds
-        :func:`switch_aux_loss` once, so nothing is counted twice.
+        Families without an HF aux loss (registry ``aux_loss`` other than "hf", e.g. DeepSeek) return False:
+        the caller adds :func:`moe_lab.moe.aux_loss.added_aux_loss` once, so nothing is counted twice.
         """
         field = self.spec.aux_loss_field
         self.model.config.output_router_logits = coef > 0
-        if field is None:
+        if field is None or self.spec.aux_loss != "hf":
             return False
         setattr(self.model.config, field, coef)
         if hasattr(self.model, field):

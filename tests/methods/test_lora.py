@@ -39,10 +39,12 @@ def test_lora_identity_at_init_trains_adapters_only_and_merges(family, tmp_path)
     torch.manual_seed(0)
     assert torch.equal(model(**batch).logits, ref), "B = 0: the adapted model is the base model at init"
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable), sorted(trainable)[:5]
-    kinds = {n.split("lora_")[0].rsplit(".", 3)[-3] for n in trainable}
-    assert any("experts" in n for n in trainable) and any("proj.lora" in n for n in trainable), kinds
-    frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    routers = {f"{view.name}.{view.spec.router_attr}.{k}" for view in patch.views
+               for k, _ in view.router.named_parameters()}
+    assert trainable - routers and all("lora_" in n for n in trainable - routers), sorted(trainable)[:5]
+    assert routers <= trainable, "conventional SFT + LoRA trains the router full rank"
+    assert any("experts" in n for n in trainable) and any("proj.lora" in n for n in trainable)
+    frozen_before = {n: p.detach().clone() for n, p in base.named_parameters() if n not in routers}
     _train(model)
     with patch.removed():
         names = dict(model.named_parameters())
@@ -62,9 +64,43 @@ def test_lora_identity_at_init_trains_adapters_only_and_merges(family, tmp_path)
     torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
 
 
-def test_lora_train_router_and_method_combination():
+def _router_grads(model, patch) -> list:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    model(**random_batch()).loss.backward()
+    return [view.router.weight.grad for view in patch.views]
+
+
+def test_router_trainability_follows_the_method_under_lora():
+    """DenseMixer paper: Conventional + LoRA and DenseMixer + LoRA train the router full rank (DenseMixer with its
+    straight-through gradient), Frozen Router + LoRA does not. At init (B = 0) the adapted model is the base
+    model, so each router gradient equals the method's own without LoRA on the same frozen-base model."""
+    base = build_tiny("olmoe").train()
+    grads = {}
+    for method in ("sft", "densemixer", "frozen_router"):
+        lora_model = copy.deepcopy(base)
+        lora_patch = moe_lab.apply(lora_model, method, lora={"rank": 2, "targets": ALL_TARGETS})
+        plain = copy.deepcopy(base)
+        plain_patch = moe_lab.apply(plain, method)
+        routers = {id(p) for view in plain_patch.views for p in view.router.parameters()}
+        for p in plain.parameters():
+            p.requires_grad_(p.requires_grad and id(p) in routers)  # the same frozen base, no adapters
+        got = _router_grads(lora_model, lora_patch)
+        if method == "frozen_router":
+            assert all(g is None for g in got)
+            assert not any(p.requires_grad for view in lora_patch.views for p in view.router.parameters())
+            continue
+        want = _router_grads(plain, plain_patch)
+        assert all(g is not None and g.abs().sum() > 0 for g in got), method
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), method
+        grads[method] = got
+    assert not any(torch.equal(a, b) for a, b in zip(grads["sft"], grads["densemixer"])), "STE differs from sft"
+
+
+def test_lora_densemixer_router_and_adapters_train():
     model = build_tiny("olmoe").train()
-    patch = moe_lab.apply(model, "densemixer", lora={"rank": 2, "targets": ["experts"], "train_router": True})
+    patch = moe_lab.apply(model, "densemixer", lora={"rank": 2, "targets": ["experts"]})
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {n for n in trainable if "lora_" not in n} == {f"model.layers.{i}.mlp.gate.weight"
                                                          for i in (layer.index for layer in patch.layers)}
@@ -83,6 +119,11 @@ def test_lora_condenser_keeps_its_bias_and_loss_falls():
 def test_lora_bad_options():
     with pytest.raises(ValueError, match="targets"):
         moe_lab.apply(build_tiny("olmoe"), "sft", lora={"targets": ["mlp"]})
+    for router in ("router", "gate"):
+        with pytest.raises(ValueError, match=r"method\.lora\.targets=.*names the router"):
+            moe_lab.apply(build_tiny("olmoe"), "sft", lora={"targets": ["experts", router]})
+    with pytest.raises(ValueError, match="method.lora.train_router is gone.*frozen_router"):
+        moe_lab.apply(build_tiny("olmoe"), "sft", lora={"train_router": True})
     with pytest.raises(ValueError, match="dropout"):
         moe_lab.apply(build_tiny("olmoe"), "sft", lora={"dropout": 0.1, "targets": ["experts"]})
     with pytest.raises(TypeError, match="rnk"):
@@ -111,6 +152,7 @@ def test_lora_on_esft_trains_only_the_selected_experts_adapters():
     model = build_tiny("olmoe").train()
     layers = [layer.index for layer in moe_lab.apply(copy.deepcopy(model)).layers]
     patch = moe_lab.apply(model, "esft", experts={i: [1, 4] for i in layers}, lora={"rank": 2})
+    assert not any(".lora." in n for n, _ in model.named_parameters()), "ESFT freezes attention: no adapter"
     masked = [p for p, _ in patch.expert_slice_masks.values()]
     assert masked and all(p.requires_grad for p in masked)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)

@@ -27,15 +27,15 @@ def _options(method: str, model) -> dict:
     return {}
 
 
-def _methods() -> list[tuple[str, float | None]]:
-    """(method, aux_loss_coef) for every registered method, plus sft_aux (sft with the aux loss)."""
-    return [(m, 0.0) for m in moe_lab.supported_methods()] + [("sft_aux", 0.01)]
+def _methods() -> list[tuple[str, float | str]]:
+    """(method, aux_loss_coef) for every registered method, plus sft with the family's native aux loss."""
+    return [(m, 0.0) for m in moe_lab.supported_methods()] + [("sft", "native")]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method,aux", _methods(), ids=lambda v: str(v))
 def test_twenty_steps_lower_the_loss(method, aux, family):
-    name = "sft" if method == "sft_aux" else method
+    name = method
     if (name, family) in NOT_APPLICABLE:
         with pytest.raises(ValueError):
             moe_lab.apply(build_tiny(family), name, **_options(name, build_tiny(family)))
