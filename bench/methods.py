@@ -24,6 +24,7 @@ from sft_step import train_step  # bench/ is on sys.path when run as `python ben
 
 import moe_lab
 from moe_lab.methods.densemixer import dense_weights
+from moe_lab.moe.aux_loss import native_aux_loss_coef
 from moe_lab.moe.experts import expert_forward
 
 BENCH_CONFIG = {
@@ -60,7 +61,7 @@ def flop_ratios(cfg: dict) -> dict[str, float]:
     return {
         "sft": 1.0,
         "frozen_router": (sft - layers * router) / sft,
-        "sft_aux": 1.0,
+        "sft_native_aux": 1.0,
         "densemixer": (sft + layers * (e - k) * expert) / sft,
         "densemixer_naive": (sft + 3 * layers * (e - k) * expert) / sft,
         "condenser": 1.0,
@@ -77,9 +78,9 @@ def build(method: str, base) -> torch.nn.Module:
         patch = moe_lab.apply(model, "sft")
         for block in patch.layers:
             block.mixer = naive_densemixer
-    elif method == "sft_aux":
+    elif method == "sft_native_aux":  # method=sft's loss: the family's own aux loss at its native coefficient
         patch = moe_lab.apply(model, "sft")
-        patch.set_aux_loss_coef(0.01)
+        patch.set_aux_loss_coef(native_aux_loss_coef(patch.spec, model.config))
     elif method == "esft":
         patch = moe_lab.apply(model, "esft", experts={i: list(range(ESFT_EXPERTS)) for i in layers})
     elif method == "condenser":
@@ -103,14 +104,14 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", default="sft,frozen_router,sft_aux,esft,densemixer,densemixer_naive,"
+    parser.add_argument("--methods", default="sft,frozen_router,sft_native_aux,esft,densemixer,densemixer_naive,"
                                              "condenser,compressed_experts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(transformers.OlmoeConfig(**BENCH_CONFIG))
     names = ["sft", *[m for m in args.methods.split(",") if m != "sft"]]
-    available = set(moe_lab.supported_methods()) | {"sft_aux", "densemixer_naive"}
+    available = set(moe_lab.supported_methods()) | {"sft_native_aux", "densemixer_naive"}
     skipped = [m for m in names if m not in available]
     names = [m for m in names if m in available]
     models = {m: build(m, base) for m in names}
