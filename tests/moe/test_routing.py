@@ -10,6 +10,7 @@ from moe_lab.models import build_config
 from moe_lab.moe import find_moe_layers, supported_families
 from moe_lab.moe.block import ConventionalRouting
 from moe_lab.moe.experts import expert_forward
+from moe_lab.moe.routing import RoutingRule, select_topk
 from tests.conftest import FAMILIES, build_tiny, tiny_model_cfg
 
 VARIANTS = [(f, {}) for f in FAMILIES] + [
@@ -89,6 +90,25 @@ def test_v2_experts_outside_the_kept_groups_weigh_zero():
     assert int(in_group.sum(-1).min()) == 2  # both experts of the kept group, then two from dropped groups
     torch.testing.assert_close(weights[in_group], probs.gather(1, idx)[in_group], rtol=1e-6, atol=0)
     assert torch.equal(weights[~in_group], torch.zeros(int((~in_group).sum())))
+
+
+def test_v2_group_limit_under_a_selection_bias_and_forced_experts():
+    """Methods on group-limited V2: dropped groups stay below every kept expert whatever the bias sign (HF's
+    0.0 fill assumes probabilities), their experts weigh 0, and a forced expert keeps its probability."""
+    rule = RoutingRule(score="softmax", top_k=3, num_experts=8, n_group=4, topk_group=1, group_fill=0.0,
+                       group_masks_weights=True, sorted_topk=False)
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+    probs = torch.softmax(logits, dim=-1)
+    kept = logits.view(6, 4, 2).amax(-1).argmax(-1)  # a uniform bias does not change which group wins
+    weights, idx = select_topk(rule, logits, False, selection_bias=torch.full((8,), -5.0))
+    in_group = idx // 2 == kept[:, None]
+    assert in_group.sum(-1).tolist() == [2] * 6
+    assert torch.equal(weights[in_group], probs.gather(1, idx)[in_group])
+    assert torch.equal(weights[~in_group], torch.zeros(6))
+    forced = torch.tensor([7])
+    weights, idx = select_topk(rule, logits, False, selection_bias=torch.zeros(8), forced=forced)
+    assert bool((idx == 7).any(-1).all())
+    assert torch.equal(weights[idx == 7], probs[:, 7])
 
 
 def test_topk_group_out_of_range_names_the_field():
