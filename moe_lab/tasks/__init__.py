@@ -17,7 +17,14 @@ def _evaluate(cfg):
     return evaluate(cfg)
 
 
-TASKS: dict[str, Callable] = {"finetune": _finetune, "evaluate": _evaluate}
+def _condenser_two_phase(cfg):
+    from .condenser_two_phase import condenser_two_phase
+
+    return condenser_two_phase(cfg)
+
+
+TASKS: dict[str, Callable] = {"finetune": _finetune, "evaluate": _evaluate,
+                              "condenser_two_phase": _condenser_two_phase}
 
 
 def run_task(cfg):
