@@ -29,7 +29,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from moe_lab.eval.eval_sets import EVAL_SETS
-from moe_lab.eval.results import AVERAGE, ResultsTable
+from moe_lab.eval.results import AVERAGE, ResultsTable, expand_runs
 
 PAPERS_DIR = Path(__file__).resolve().parent
 FIELDS = ("table", "paper_model", "model", "paper_row", "row", "train", "eval", "benchmark", "metric", "value",
@@ -79,11 +79,6 @@ def load_reported(paper: str, path: str | Path | None = None) -> list[dict]:
 # Our results
 
 
-def _job_key(path: Path):
-    head = path.name.split("_", 1)[0]
-    return (int(head) if head.isdigit() else float("inf"), path.name)
-
-
 def _summary(path: Path) -> dict | None:
     try:
         return json.loads((path / "summary.json").read_text())
@@ -92,27 +87,23 @@ def _summary(path: Path) -> dict | None:
 
 
 def eval_runs(paths) -> list[Path]:
-    """``task=evaluate`` run directories: each path is one, or a sweep directory (``multirun.yaml``) whose
-    job directories are taken in Hydra job order. Anything else is an error that says what to pass."""
+    """``task=evaluate`` run directories: each path is one, or a sweep directory whose evaluate jobs are taken
+    in Hydra job order (``moe_lab.eval.results.expand_runs``). Anything else is an error that says what to pass."""
     runs = []
     for arg in paths:
-        path = Path(arg)
-        summary = _summary(path)
-        if summary is not None:
+        found = expand_runs([arg])
+        if not found:
+            raise ValueError(f"{arg} holds no task=evaluate run (a finetune sweep? evaluate its exports first: "
+                             "python run.py -m task=evaluate experiment=<preset> task.checkpoint=<sweep>/0_.../export,...)")
+        for run in found:
+            summary = _summary(run)
+            if summary is None:
+                raise FileNotFoundError(f"{run}: neither a task=evaluate run directory (summary.json) nor a sweep "
+                                        "of them")
             if "table" not in summary:
-                raise ValueError(f"{path} is not a task=evaluate run (its summary.json has no results table): "
-                                 f"evaluate it first (python run.py task=evaluate task.checkpoint={path}/export ...)")
-            runs.append(path)
-        elif (path / "multirun.yaml").is_file():
-            jobs = sorted((p for p in path.iterdir() if p.is_dir() and (p / "summary.json").is_file()), key=_job_key)
-            evaluated = [p for p in jobs if "table" in (_summary(p) or {})]
-            if not evaluated:
-                raise ValueError(f"{path} is a sweep without task=evaluate results ({len(jobs)} finished jobs): "
-                                 "pass the sweep of `python run.py -m task=evaluate task.checkpoint=...`")
-            runs.extend(evaluated)
-        else:
-            raise FileNotFoundError(f"{path}: neither a task=evaluate run directory (summary.json) nor a sweep "
-                                    "directory (multirun.yaml)")
+                raise ValueError(f"{run} is not a task=evaluate run (its summary.json has no results table): "
+                                 f"evaluate it first (python run.py task=evaluate task.checkpoint={run}/export ...)")
+        runs.extend(found)
     return runs
 
 

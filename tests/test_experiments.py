@@ -99,6 +99,7 @@ def test_preset_carries_the_papers_hyper_parameters(preset):
     assert cfg.model.pretrained == want["model"]
     assert cfg.hydra.runtime.choices.dataset == want["dataset"]
     assert cfg.hydra.runtime.choices.hardware == "gpu" and cfg.hardware.trainer.devices == 1
+    assert cfg.hardware.trainer.precision == "bf16-mixed" and cfg.model.dtype == "bfloat16"
     assert task.optim.lr == pytest.approx(want["lr"], rel=0, abs=0)
     assert data.batch_size * task.trainer.accumulate_grad_batches == want["global_batch"]
     assert (task.trainer.max_epochs, task.trainer.max_steps) == (want["epochs"], want["steps"])
@@ -143,10 +144,10 @@ ROWS = {  # row file -> (method group, label, method knobs)
     "condenser_highest_bias": ("condenser", "condenser_highest_bias", {"options.select": "highest_bias",
                                                                        "options.n": 2}),
     "condenser_gamma_sweep": ("condenser", "condenser_gamma0.0001", {"options.n": 2}),
-    "densemixer_lora_conventional": ("sft", "sft_lora", {"lora.rank": 8, "lora.train_router": True}),
-    "densemixer_lora_frozen_router": ("frozen_router", "frozen_router_lora", {"lora.rank": 8,
-                                                                              "lora.train_router": False}),
-    "densemixer_lora_densemixer": ("densemixer", "densemixer_lora", {"lora.rank": 8, "lora.train_router": True}),
+    # LoRA rows: the method decides whether the router trains (sft, densemixer: full rank; frozen_router: no)
+    "densemixer_lora_conventional": ("sft", "sft_lora", {"lora.rank": 8, "lora.alpha": 16}),
+    "densemixer_lora_frozen_router": ("frozen_router", "frozen_router_lora", {"lora.rank": 8, "lora.alpha": 16}),
+    "densemixer_lora_densemixer": ("densemixer", "densemixer_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "compressed_experts_k_main_sweep": ("compressed_experts", "compressed_experts_kNone", {}),
 }
 
@@ -165,6 +166,25 @@ def test_row_files_set_method_label_and_knobs(row):
     assert cfg.task.optim.lr == (2e-4 if "lora" in row else 2e-5)  # LoRA: Pub lr range 2e-4 .. 5e-4
     if "lora" in row:
         assert set(cfg.method.lora.targets) == {"experts", "shared_experts", "attention", "dense_mlp"}
+
+
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_row_methods_build_on_a_tiny_model(row):
+    """Each row's method config is accepted by its LightningModule (options, LoRA settings) on tiny OLMoE."""
+    from hydra.utils import instantiate
+
+    from moe_lab.models import load_model
+
+    cfg = _compose("experiment=condenser/tiny_grid", f"+experiment/row={row}",
+                   *(["method.options.k_main=2"] if "k_main" in row else []))
+    model, _ = load_model(cfg.model)
+    module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
+                         _recursive_=False)
+    router = [p for n, p in module.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert router and all(p.requires_grad == (ROWS[row][0] != "frozen_router") for p in router)
+    if "lora" in row:
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        assert any("lora" in n for n in trainable) and all("lora" in n or "gate.weight" in n for n in trainable)
 
 
 def test_sweep_rows_label_each_job_like_reported_csv():
@@ -299,7 +319,7 @@ def test_collector_matches_eval_settings_and_aliases(tmp_path, capsys):
 
 def test_collector_explains_wrong_directories(sweep, tmp_path, capsys):
     assert collect.main(["condenser", str(sweep / "ft")]) == 2
-    assert "sweep without task=evaluate results" in capsys.readouterr().err
+    assert "holds no task=evaluate run" in capsys.readouterr().err
     assert collect.main(["condenser", str(sweep / "ft" / "0_olmoe_0125_sft")]) == 2
     assert "not a task=evaluate run" in capsys.readouterr().err
     assert collect.main(["condenser", str(tmp_path / "nowhere")]) == 2
