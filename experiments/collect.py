@@ -34,7 +34,8 @@ from moe_lab.eval.results import AVERAGE, ResultsTable, expand_runs
 PAPERS_DIR = Path(__file__).resolve().parent
 FIELDS = ("table", "paper_model", "model", "paper_row", "row", "train", "eval", "benchmark", "metric", "value",
           "source")
-OUT_FIELDS = ("table", "model", "method", "train", "benchmark", "metric", "paper", "ours", "diff", "limit", "run")
+OUT_FIELDS = ("table", "model", "method", "train", "benchmark", "metric", "paper", "ours", "diff", "limit", "partial",
+              "run")
 _METRIC = {s.title: s.metric for s in EVAL_SETS.values()}
 
 
@@ -50,6 +51,7 @@ class Ours:
     limit: int | None
     run: Path
     eval_cfg: dict
+    partial: bool = False  # an average over fewer sets than the run's table has (some skipped)
 
 
 def papers() -> list[str]:
@@ -143,11 +145,13 @@ def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
         train = rename(train, train) if train else train
         for key, row in table.cells.items():
             values = dict(row)
+            average, n = table.average(key)
             if table.averaged:
-                values[AVERAGE] = table.average(key)[0]
+                values[AVERAGE] = average
             for column, value in values.items():
                 cells.append(Ours(rename(key[0], key[0]), rename(key[1], key[1]), train, column, value,
-                                  summary.get("limit"), run, eval_cfg or {}))
+                                  summary.get("limit"), run, eval_cfg or {},
+                                  partial=column == AVERAGE and n < table.n_averaged))
     return cells
 
 
@@ -200,6 +204,7 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) ->
             "metric": paper["metric"] if comparable else f"{paper['metric']} (ours: {our_metric})",
             "paper": paper["value"], "ours": value, "diff": diff,
             "limit": None if mine is None else mine.limit, "run": None if mine is None else str(mine.run),
+            "partial": mine is not None and mine.partial,
         })
     if not all_tables:
         shown = {r["table"] for r in rows if r["run"] is not None}
@@ -221,18 +226,22 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     """One markdown table per paper table, then our cells that match no paper cell."""
     lines: list[str] = []
     header = ["model", "method", "train", "benchmark", "metric", "paper", "ours", "diff"]
-    limited = False
+    limited = partial = False
     for table in dict.fromkeys(r["table"] for r in rows):
         lines += [f"### {table}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in (r for r in rows if r["table"] == table):
             mark = "*" if r["limit"] is not None and r["ours"] is not None else ""
             limited |= bool(mark)
+            if r["partial"]:
+                mark, partial = mark + "+", True
             cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]),
                      _fmt(r["ours"]) + mark, _fmt(r["diff"], signed=True)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if limited:
         lines += ["\\* ours on the first eval.limit rows of each set only", ""]
+    if partial:
+        lines += ["\\+ our average over the sets with a result only (others skipped or unavailable)", ""]
     if not rows:
         lines += ["(no paper table has a result among the given runs)", ""]
     if unmatched:
