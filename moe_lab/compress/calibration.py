@@ -252,20 +252,24 @@ def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, logits: torch.T
     for start in range(0, x.shape[0], chunk_tokens):
         xs = x[start:start + chunk_tokens]
         F = torch.empty(E, xs.shape[0], x.shape[1], dtype=torch.float32, device=dev)
-        for e in range(E):
-            F[e] = expert_forward(view, e, xs).float()
+        norms = torch.empty(E, xs.shape[0], dtype=torch.float32, device=dev)
+        out_sum = torch.empty(E, x.shape[1], dtype=torch.float32, device=dev)
+        for e in range(E):  # per-expert reductions while its output is hot in cache
+            F[e] = expert_forward(view, e, xs)
+            torch.linalg.vector_norm(F[e], dim=-1, out=norms[e])
+            torch.sum(F[e], dim=0, out=out_sum[e])
         flat = F.reshape(E, -1)
         gram = (flat @ flat.T).double()
         acc["gram"] += gram
         acc["sq_norm"] += gram.diagonal()
-        norms = F.square().sum(-1).sqrt().double().T  # [T_c, E]
+        acc["out_sum"] += out_sum.double()
+        norms = norms.double().T  # [T_c, E]
         ws, ss, iv = w[start:start + chunk_tokens], selected[start:start + chunk_tokens], inv[start:start + chunk_tokens]
         acc["wnorm_sel"] += (ws * norms).sum(0)
         acc["norm_sel"] += (ss * norms).sum(0)
         acc["norm_all"] += norms.sum(0)
         acc["seq_mag"] += (ws.abs() * norms * iv).sum(0)
         acc["seq_mag_ungated"] += (norms * iv).sum(0)
-        acc["out_sum"] += F.sum(1).double()
     for name, value in acc.items():
         stats[name] += value.cpu()
     stats["count"] += sel.sum(0).cpu()
