@@ -27,6 +27,15 @@ TASKS: dict[str, Callable] = {"finetune": _finetune, "evaluate": _evaluate,
                               "condenser_two_phase": _condenser_two_phase}
 
 
+def _calibrate(cfg):
+    from .calibrate import calibrate_task
+
+    return calibrate_task(cfg)
+
+
+TASKS["calibrate"] = _calibrate
+
+
 def run_task(cfg):
     """Run ``cfg.task.name`` and return its summary dict."""
     name = cfg.task.name
