@@ -211,11 +211,15 @@ def _fit(tmp_path, max_steps, callbacks=(), ckpt_path=None):
     return module, trainer
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("straight"), 6)[0].state_dict()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
-def test_signal_writes_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, signum):
+def test_signal_writes_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, signum, straight):
     """Oracle: an uninterrupted 6-step run. Stopped by a signal after step 2 and resumed from the checkpoint
     the signal wrote, the weights are the same bit for bit."""
-    straight, _ = _fit(tmp_path / "a", 6)
     ckpt = tmp_path / "b" / "last.ckpt"
     on_signal = CheckpointOnSignal(ckpt)
     with pytest.raises(SIGTERMException):
@@ -225,7 +229,7 @@ def test_signal_writes_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored after fit
     resumed, trainer = _fit(tmp_path / "c", 6, ckpt_path=str(ckpt))
     assert trainer.global_step == 6
-    for key, value in straight.state_dict().items():
+    for key, value in straight.items():
         assert torch.equal(value, resumed.state_dict()[key]), key
 
 

@@ -91,8 +91,10 @@ class CheckpointOnSignal(Callback):
     step and write ``ckpt_path`` before the process exits; a second Ctrl-C aborts at once.
 
     Lightning already turns SIGTERM into a ``SIGTERMException`` at the end of a training step (synchronised
-    across DDP ranks); SIGINT and SIGUSR1 are routed to its handler, and the checkpoint is written in
-    ``on_exception``. ``signum`` is the signal received (None: none).
+    across DDP ranks); SIGINT and SIGUSR1 are routed to its handler. In one process the checkpoint is written in
+    ``on_train_batch_end``, where ``ModelCheckpoint`` writes its own (so a resume logs at the same steps as an
+    uninterrupted run); otherwise, and under DDP (all ranks stop together), in ``on_exception``. ``signum`` is
+    the signal received (None: none).
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -123,7 +125,12 @@ class CheckpointOnSignal(Callback):
         if callable(self._lightning_handler):
             self._lightning_handler(signal.SIGTERM, frame)
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.signum is not None and self.saved is None and trainer.world_size == 1:
+            trainer.save_checkpoint(self.ckpt_path)
+            self.saved = self.ckpt_path
+
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if isinstance(exception, SIGTERMException) and self.signum is not None:
+        if isinstance(exception, SIGTERMException) and self.signum is not None and self.saved is None:
             trainer.save_checkpoint(self.ckpt_path)
             self.saved = self.ckpt_path

@@ -6,7 +6,6 @@ import json
 import logging
 import shutil
 import signal
-import time
 import warnings
 from pathlib import Path
 
@@ -114,14 +113,13 @@ def finetune(cfg: DictConfig) -> dict:
         callbacks.append(clock)
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
     trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg)])
-    start = time.time()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     except SIGTERMException:
         if on_signal.saved is None:
             raise
     interrupted = on_signal.saved is not None
-    summary = {"wall_time_s": round(clock.wall_time_s, 1), "wall_time_this_run_s": round(time.time() - start, 1),
+    summary = {"wall_time_s": round(clock.wall_time_s, 1), "wall_time_this_run_s": round(clock.this_run_s, 1),
                "global_step": trainer.global_step, "resumed_from_step": resumed_step or None,
                "model": cfg.model.name, "method": cfg.method.name, "step_time_median_s": timer.median_s,
                "interrupted": interrupted}

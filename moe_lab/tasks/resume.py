@@ -13,6 +13,7 @@ import csv
 import logging
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger
@@ -104,9 +105,7 @@ def pin_wandb_run(cfg: DictConfig, history: History, out: Path) -> str | None:
     names = wandb_logger_nodes(cfg)
     if not names:
         return None
-    import wandb
-
-    run_id = history.wandb_id or wandb.util.generate_id()
+    run_id = history.wandb_id or uuid.uuid4().hex[:8]  # W&B's own id format: 8 lowercase alphanumerics
     with open_dict(cfg):
         for name in names:
             cfg.logger[name].id = run_id
