@@ -338,6 +338,8 @@ def calibrate(
     ``partial_path`` and ``save_every=N`` the state is written atomically every N batches; pass that file
     as ``resume_from`` (with the same batches) to continue where it stopped: the result is identical.
     """
+    if any(type(m).__name__ == "MoEBlock" for m in model.modules()):
+        raise ValueError("calibrate() needs the unmodified HF model: remove the moe-lab patch first (patch.remove())")
     views = find_moe_layers(model)
     manifest = {**model_manifest(model), "format_version": FORMAT_VERSION, "complete": False,
                 "batches_done": 0, "tokens": 0, "num_sequences": 0, "seq_len": 0,
@@ -360,11 +362,15 @@ def calibrate(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    skip = manifest["batches_done"]
+    skip, prefix = manifest["batches_done"], ""
     try:
         with context.calibration():
             for i, batch in enumerate(batches):
-                if i < skip:
+                if i < skip:  # already in the resumed state: only check that it is the same data
+                    prefix = _batch_digest(prefix, batch)
+                    if i + 1 == skip and prefix != manifest["data"]["sha256"]:
+                        raise ValueError(f"resume_from={str(resume_from)!r} was written on other calibration data "
+                                         "(its first batches differ): resume with the same data and settings")
                     continue
                 ids = batch["input_ids"].to(device)
                 mask = batch.get("attention_mask")

@@ -187,6 +187,8 @@ def test_resume_gives_identical_result(tmp_path):
     resumed = calibrate(model, batches, resume_from=partial, partial_path=partial, save_every=2,
                         data_source="unit")
     assert resumed.manifest == full.manifest
+    with pytest.raises(ValueError, match="written on other calibration data"):
+        calibrate(model, batches[::-1], resume_from=partial)
     for layer, st in full.layers.items():
         for name, value in st.items():
             assert torch.equal(resumed.layers[layer][name], value), (layer, name)
@@ -236,6 +238,12 @@ def test_missing_and_nonfinite_statistics_are_named():
         cal.require("sq_norm")
     with pytest.raises(ValueError, match="no batches"):
         calibrate(build_tiny("olmoe"), [])
+    from moe_lab.moe.patch import MoEPatch
+
+    patched = build_tiny("olmoe")
+    MoEPatch(patched)
+    with pytest.raises(ValueError, match="remove the moe-lab patch"):
+        calibrate(patched, [random_batch()])
 
 
 def _compose(tmp_path, *overrides):
