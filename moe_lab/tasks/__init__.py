@@ -36,6 +36,15 @@ def _calibrate(cfg):
 TASKS["calibrate"] = _calibrate
 
 
+def _compress(cfg):
+    from .compress import compress
+
+    return compress(cfg)
+
+
+TASKS["compress"] = _compress
+
+
 def run_task(cfg):
     """Run ``cfg.task.name`` and return its summary dict."""
     name = cfg.task.name

@@ -1,0 +1,146 @@
+"""task=compress: MoE -> dense conversion or expert pruning from one calibration file, perplexity, export;
+``compress.sweep=true`` evaluates a whole grid in one process (see ``moe_lab.compress.sweep``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..compress.calibration import Calibration
+from ..compress.dense import export_compressed, to_dense
+from ..compress.prune import prune_experts, strategy_counts
+from ..compress.sweep import (
+    dense_sweep,
+    grid_markdown,
+    grid_table,
+    ppl_point,
+    prune_study,
+    write_grid,
+    write_prune_study,
+)
+from ..data.collate import encode_prompt
+from ..eval.eval_sets import load_eval_set
+from ..models import load_model
+from ..moe.view import find_moe_layers
+from ..plain import to_plain
+
+log = logging.getLogger(__name__)
+
+
+def eval_ids(ev, tokenizer) -> list[int]:
+    """Token ids of the perplexity text (WikiText-2 test, or ``compress.eval.path``), capped at max_tokens."""
+    data = load_eval_set("wikitext2", path=ev.path)
+    ids = encode_prompt(tokenizer, data.text)
+    return ids[: int(ev.max_tokens)] if ev.max_tokens else ids
+
+
+def _check(c) -> None:
+    if c.method not in ("to_dense", "prune"):
+        raise ValueError(f"compress.method={c.method!r}: choose to_dense or prune (compress=prune)")
+    if c.linkage != "average":
+        raise ValueError(f"compress.linkage={c.linkage!r}: only average linkage is implemented (the spec's choice)")
+    if not c.pad_dense_layers:
+        raise ValueError("compress.pad_dense_layers=false: per-layer widths are not supported; the teacher's dense "
+                         "layers are zero-padded to the student width (set it to true)")
+
+
+def _lam(c):
+    value = c.do["lambda"]
+    return value if value in (None, "auto") else float(value)
+
+
+def _calibration(c, required: bool) -> Calibration | None:
+    if c.calibration_file:
+        return Calibration.load(c.calibration_file)
+    if required:
+        raise ValueError("compress.calibration_file is not set: run task=calibrate first and pass "
+                         "compress.calibration_file=<its run dir>/calibration.safetensors")
+    return None
+
+
+def compress(cfg: DictConfig) -> dict:
+    """Run ``cfg.compress`` on ``cfg.model``; writes summary.json (and the grid / plot / export)."""
+    c = cfg.compress
+    _check(c)
+    out = Path(cfg.paths.output_dir)
+    start = time.time()
+    model, tokenizer = load_model(cfg.model)
+    model.eval()
+    ids = eval_ids(c.eval, tokenizer)
+    ppl_kw = {"max_length": min(int(c.eval.max_length), int(model.config.max_position_embeddings)),
+              "stride": int(c.eval.stride), "batch_size": int(c.eval.batch_size)}
+    ppl_kw["stride"] = min(ppl_kw["stride"], ppl_kw["max_length"])
+    summary = {"method": c.method, "eval_tokens": len(ids), **ppl_kw}
+    if c.method == "to_dense":
+        calibration = _calibration(c, required=True)
+        if c.sweep:
+            summary.update(_dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out))
+        else:
+            student = to_dense(model, calibration, score=c.score, grouping=c.grouping, scaling=c.scaling,
+                               K=c.K, order=c.do.order, lam=_lam(c), seed=int(c.seed))
+            summary.update(_single(student, tokenizer, ids, ppl_kw, c, out))
+    else:
+        p = c.prune
+        view = find_moe_layers(model)[0]
+        if c.sweep:
+            if not p["values"]:
+                raise ValueError("compress.sweep=true with compress=prune needs compress.prune.values=[...]")
+            needs = p.strategy != "inference_reduce"
+            points = prune_study(model, tokenizer, _calibration(c, needs), ids, strategy=p.strategy,
+                                 values=list(p["values"]), score=p.score, always_keep=to_plain(p.always_keep),
+                                 group_balanced=bool(p.group_balanced), **ppl_kw)
+            files = write_prune_study(points, out)
+            summary.update({"points": json.loads(points.to_json(orient="records")),
+                            "files": {k: str(v) for k, v in files.items()}})
+        else:
+            n_keep, k_keep = strategy_counts(p.strategy, view.num_experts, view.top_k, n_keep=p.n_keep,
+                                             k_keep=p.top_k)
+            pruned = prune_experts(model, _calibration(c, n_keep < view.num_experts), keep=n_keep, top_k=k_keep,
+                                   score=p.score, always_keep=to_plain(p.always_keep),
+                                   group_balanced=bool(p.group_balanced), seed=int(c.seed))
+            summary.update(_single(pruned, tokenizer, ids, ppl_kw, c, out))
+    summary["wall_time_s"] = round(time.time() - start, 2)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _single(model, tokenizer, ids, ppl_kw, c, out: Path) -> dict:
+    point = ppl_point(model, tokenizer, ids, **ppl_kw)
+    print(f"==== moe-lab compress ({c.method}): ppl {point['ppl']:.4g} ({point['status']})", flush=True)
+    result = {"ppl": point["ppl"], "status": point["status"], "manifest": model.moe_lab_manifest}
+    if c.export:
+        result["export"] = str(export_compressed(model, out / "export", tokenizer))
+    return result
+
+
+def _dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out: Path) -> dict:
+    g = c.grid
+    total = len(g.scores) * len(g.groupings) * len(g.scalings)
+    done = []
+
+    def progress(point: dict) -> None:
+        done.append(point)
+        log.info("sweep point %d: %s/%s/%s K=%d ppl %.4g (%s)", len(done), point["score"], point["grouping"],
+                 point["scaling"], point["K"], point["ppl"], point["status"])
+
+    points = dense_sweep(model, tokenizer, calibration, ids, scores=list(g.scores), groupings=list(g.groupings),
+                         scalings=list(g.scalings), Ks=None if g.K is None else [int(K) for K in g.K],
+                         order=c.do.order, lam=_lam(c), seed=int(c.seed), progress=progress, **ppl_kw)
+    files = write_grid(points, out, title=f"{model.config.model_type} pre-distillation perplexity")
+    table = grid_table(points)
+    print(grid_markdown(table), flush=True)
+    best = {f"{s}/{gr}": {"scaling": sc, "K": int(row.best_K), "ppl": row.best_ppl}
+            for (s, gr, sc), row in table.iterrows() if not math.isnan(row.best_ppl)}
+    # Stage 2 choice per (score, grouping): the (K, scaling) with the lowest pre-distillation ppl
+    chosen = {}
+    for key, value in best.items():
+        if key not in chosen or value["ppl"] < chosen[key]["ppl"]:
+            chosen[key] = value
+    failed = int((points.status != "ok").sum())
+    return {"points": len(points), "failed_points": failed, "rows": total, "best_per_pair": chosen,
+            "sweep_seconds": round(float(points.seconds.sum()), 2), "files": {k: str(v) for k, v in files.items()}}
