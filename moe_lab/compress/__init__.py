@@ -6,7 +6,11 @@ Note: ``moe_lab.compress.scores`` is the scoring FUNCTION; import helpers from t
 """
 
 from .calibration import Calibration, calibrate
+from .dense import export_compressed, to_dense
+from .prune import prune_experts
 from .scores import METHODS as SCORE_METHODS
 from .scores import scores, select_experts
+from .sweep import dense_sweep, prune_study
 
-__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "scores", "select_experts"]
+__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "dense_sweep", "export_compressed", "prune_experts",
+           "prune_study", "scores", "select_experts", "to_dense"]
