@@ -152,7 +152,7 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     tensors, dispatched like HF's default ``grouped_mm`` experts implementation (the kernel sft uses).
     """
     experts = view.experts
-    transposed, concatenated, has_bias = _packed_layout(view)
+    transposed, concatenated, has_bias = packed_layout(view)
     k = indices.shape[1]
     expert_ids, perm = torch.sort(indices.reshape(-1), stable=True)
     tokens = perm // k
@@ -184,7 +184,7 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     return out.view(-1, k, out.shape[-1]).sum(dim=1).to(x.dtype)
 
 
-def _packed_layout(view: MoELayerView) -> tuple[bool, bool, bool]:
+def packed_layout(view: MoELayerView) -> tuple[bool, bool, bool]:
     """(weights stored [E, in, out], gate/up concatenated (else interleaved), expert biases) of the packed
     experts, as HF's experts-implementation decorator records them (the registry's layout otherwise)."""
     experts = view.experts

@@ -30,10 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from transformers.integrations.moe import _grouped_linear
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
+from .compressed_experts import packed_layout
 
 SCORES = ("gate", "token")
 AVERAGES = ("sequence", "token")
@@ -283,12 +286,64 @@ def select_experts(patch: MoEPatch, experts: Mapping) -> dict[int, list[int]]:
             param.requires_grad_(trained)
     patch.restrict_expert_training(selection)
     patch._esft_selected = bool(selection)
+    for view, block in zip(patch.views, patch.layers):
+        ids = selection.get(view.index, [])
+        if ids and len(ids) < view.num_experts:
+            trained = torch.zeros(view.num_experts, dtype=torch.bool)
+            trained[ids] = True
+            block.mixer = FrozenExpertsMixture(trained)
     if patch.expert_slice_masks:
         guard = FrozenSliceGuard(patch.expert_slice_masks.values())
         patch.frozen_slice_guard = guard
         for block in patch.layers:  # the model owns it: it lives as long as the blocks, patch kept or not
             block.frozen_slice_guard = guard
     return selection
+
+
+# frozen experts cost no weight gradient -----------------------------------------------------------------
+class FrozenExpertsMixture:
+    """``MoEBlock.mixer`` of ESFT: the conventional top-k mixture, with the (token, expert) pairs of frozen
+    experts multiplied by DETACHED expert weights, so backward computes weight gradients only for the
+    trained experts' pairs (input gradients for all). Mirrors HF's ``grouped_mm`` experts forward: pairs
+    sorted by expert, per-expert grouped matmuls, routing weights, then a sum over the top-k slots; each
+    expert's rows are those of the joint call, in the same order. ``trained``: bool [E]."""
+
+    def __init__(self, trained: torch.Tensor):
+        self.trained = trained
+
+    def __call__(self, block: MoEBlock, x, logits, weights, indices):
+        experts = block.experts
+        if not torch.is_grad_enabled() or parametrize.is_parametrized(experts):  # LoRA: adapters train
+            return experts(x, indices, weights)
+        view = block.view.obj
+        transposed, _, has_bias = packed_layout(view)
+        k, n_experts = indices.shape[1], view.num_experts
+        expert_ids, perm = torch.sort(indices.reshape(-1))
+        trained = self.trained.to(expert_ids.device)[expert_ids]
+        split = int(trained.sum())
+        order = torch.cat([trained.nonzero().squeeze(-1), (~trained).nonzero().squeeze(-1)])
+        perm, expert_ids = perm[order], expert_ids[order]
+        rows = x[perm // k]
+        parts = []
+        for part, detach in ((slice(0, split), False), (slice(split, None), True)):
+            ids = expert_ids[part]
+            if ids.numel() == 0:
+                continue
+            tensors = [experts.gate_up_proj, experts.down_proj]
+            biases = [experts.gate_up_proj_bias, experts.down_proj_bias] if has_bias else [None, None]
+            if detach:
+                tensors = [t.detach() for t in tensors]
+                biases = [None if b is None else b.detach() for b in biases]
+            offsets = torch.cumsum(torch.bincount(ids, minlength=n_experts), dim=0).to(torch.int32)
+            hidden = _grouped_linear(rows[part], tensors[0], offsets, is_transposed=transposed,
+                                     bias=None if biases[0] is None else biases[0][ids])
+            hidden = experts._apply_gate(hidden)
+            parts.append(_grouped_linear(hidden, tensors[1], offsets, is_transposed=transposed,
+                                         bias=None if biases[1] is None else biases[1][ids]))
+        out = torch.cat(parts) * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return out[inverse].view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
 
 
 # frozen slices under any optimizer -----------------------------------------------------------------

@@ -62,3 +62,61 @@ def test_guard_lives_with_the_model_and_other_models_are_untouched():
     plain(**random_batch()).loss.backward()
     optimizer.step()
     assert not torch.equal(plain.model.layers[0].mlp.experts.down_proj[5], before[5])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral",
+                                    "phimoe", "qwen3_moe"])
+def test_frozen_expert_mixture_equals_conventional_bit_for_bit(family):
+    """ESFT's mixer (frozen experts' pairs on detached weights) against the conventional mixture under the
+    same selection and gradient masks: loss and every gradient bit-identical, on every family."""
+    from moe_lab.methods.esft import FrozenExpertsMixture
+    from moe_lab.moe.block import sparse_mixture
+
+    base = build_tiny(family).train()
+    experts = {v.index: [0, 3] for v in find_moe_layers(base)}
+    ours, conventional = moe_lab.apply(base, "esft", experts=experts), None
+    reference = build_tiny(family).train()
+    conventional = moe_lab.apply(reference, "esft", experts=experts)
+    assert all(isinstance(layer.mixer, FrozenExpertsMixture) for layer in ours.layers)
+    for layer in conventional.layers:
+        layer.mixer = sparse_mixture
+    batch = random_batch()
+    losses = []
+    for model in (base, reference):
+        torch.manual_seed(0)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    grads = dict(reference.named_parameters())
+    for name, param in base.named_parameters():
+        assert (param.grad is None) == (grads[name].grad is None), name
+        if param.grad is not None:
+            assert torch.equal(param.grad, grads[name].grad), name
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+def test_frozen_experts_get_no_weight_gradient_at_all(family):
+    """On a fully trainable block (no gradient masks), the mixer's frozen experts receive exactly zero
+    weight gradient (it is never computed), the trained experts and the input get the conventional ones."""
+    from moe_lab.methods.esft import FrozenExpertsMixture
+
+    base = build_tiny(family).train()
+    ours, reference = moe_lab.apply(base, "sft"), moe_lab.apply(build_tiny(family).train(), "sft")
+    trained = torch.zeros(8, dtype=torch.bool)
+    trained[[1, 6]] = True
+    ours.layers[0].mixer = FrozenExpertsMixture(trained)
+    x = torch.randn(3, 9, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    g = torch.randn_like(x)
+    inputs = []
+    for patch in (ours, reference):
+        xi = x.clone().requires_grad_(True)
+        out = patch.layers[0](xi)
+        ((out[0] if isinstance(out, tuple) else out) * g).sum().backward()
+        inputs.append(xi.grad)
+    torch.testing.assert_close(inputs[0], inputs[1], rtol=0, atol=0)
+    theirs = dict(reference.layers[0].experts.named_parameters())
+    for name, param in ours.layers[0].experts.named_parameters():
+        assert torch.equal(param.grad[~trained], torch.zeros_like(param.grad[~trained])), name
+        assert torch.equal(param.grad[trained], theirs[name].grad[trained]), name
+        assert theirs[name].grad[~trained].abs().sum() > 0, name
