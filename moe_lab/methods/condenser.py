@@ -19,7 +19,8 @@ After every optimizer step (after gradient accumulation), :class:`BiasUpdater` a
 ``b += gamma * sign * sign(mean_load - load)`` from the loads since the previous update, all-reduced across
 data-parallel ranks (``sign``: sparsify = -1, the paper; balance = +1, DeepSeek-V3), optionally re-centred
 to zero mean. ``load``: ``count`` (integer tokens per expert, default) or ``soft`` (the public code's soft
-usage: the sum over real tokens of each expert's routing probability, see :func:`routing_probabilities`).
+usage: the sum over real tokens of each expert's routing probability, see :func:`routing_probabilities`;
+under ``inside_softmax`` from the biased logits the routing uses).
 Loads are summed into the buffer ``usage`` while the biases learn (before condensers are chosen).
 
 ``n`` condenser experts per layer (0: biases only, no condensers) are chosen ONCE by ``select``

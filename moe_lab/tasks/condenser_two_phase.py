@@ -65,6 +65,15 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError("task.phase2.init=phase1 needs phase 1's export: leave task.phase1.bias_file=null")
 
 
+def _run_phase(phase: DictConfig) -> dict:
+    """Write the phase's config.yaml (as run.py does for a run: task=evaluate reads it) and run finetune."""
+    out = Path(phase.paths.output_dir)
+    if rank_zero_only.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(phase, resolve=True))
+    return finetune(phase)
+
+
 def _finish_wandb() -> None:
     import wandb
 
@@ -87,13 +96,13 @@ def condenser_two_phase(cfg: DictConfig) -> dict:
             task={"export": bool(p1.export) or p2.init == "phase1", "ckpt_path": None,
                   "optim.lr": p1.lr if p1.lr is not None else cfg.task.optim.lr},
         )
-        summary["phase1"] = finetune(first)
+        summary["phase1"] = _run_phase(first)
         _finish_wandb()
         bias_file = out / "phase1" / STATE_FILE
     model = {"pretrained": str(out / "phase1" / "export")} if p2.init == "phase1" else None
     second = phase_config(cfg, out / "phase2",
                           options={"gamma": p2.gamma, "bias_file": str(bias_file), "experts": None}, model=model)
-    result = finetune(second)
+    result = _run_phase(second)
     summary.update(result)
     summary["bias_file"] = str(bias_file)
     if rank_zero_only.rank == 0:

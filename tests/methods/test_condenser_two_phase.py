@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from moe_lab.models import load_model
 from moe_lab.tasks import run_task
@@ -70,3 +71,6 @@ def test_two_phases_bias_file_condensers_and_original_weights(tmp_path):
         assert torch.equal(final[key], value), f"phase 2 starts from the original weights: {key}"
     assert any(not torch.equal(first[k], v) for k, v in original.state_dict().items()), "phase 1 trained"
     assert json.loads((out / "summary.json").read_text())["phase1"]["global_step"] == 4
+    for phase, steps in (("phase1", 4), ("phase2", 3)):  # task=evaluate labels exports from these
+        saved = OmegaConf.load(out / phase / "config.yaml")
+        assert saved.method.name == "condenser" and saved.task.trainer.max_steps == steps
