@@ -164,3 +164,14 @@ def test_ablation_presets_compose_with_the_option_names():
             assert (updater.gamma, updater.select, updater.load) == (options["gamma"], options["select"],
                                                                      options["load"])
             assert patch.layers[0].forced_expert_ids.numel() == options["n"]
+
+
+def test_frozen_warmup_is_refused_under_deepspeed():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    module = CondenserModule(build_tiny("olmoe"), method="condenser", options={"n": 1, "warmup_steps": 2})
+    trainer = L.Trainer(logger=False, accelerator="cpu")
+    trainer._accelerator_connector.strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    module.trainer = trainer
+    with pytest.raises(ValueError, match="warmup_trains_weights=false"):
+        module.on_fit_start()
