@@ -74,6 +74,7 @@ def test_misspelt_method_option_lists_the_valid_ones(tmp_path):
     assert "unknown option(s) ['gama']" in proc.stderr and "'gamma'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_grid_with_a_failing_job_still_writes_the_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_py("-m", "task.trainer.max_steps=2,1k,3", "debug=fast", "~callbacks.expert_load",

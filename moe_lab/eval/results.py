@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write results.csv and results.md into this directory")
     args = parser.parse_args(argv)
     try:
-        table = collect(expand_runs(args.runs))
+        runs = expand_runs(args.runs)
+        if not runs:
+            raise FileNotFoundError(f"no task=evaluate run directories (with a summary.json) in {' '.join(args.runs)}")
+        table = collect(runs)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -268,7 +268,8 @@ def test_checkpoints_export_dir_and_lightning_ckpt(tmp_path):
     assert list(table.cells) == [("tiny_qwen3_moe", "frozen_router")]
     assert results_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "results.csv").read_text().splitlines()[1].startswith("tiny_qwen3_moe,frozen_router,")
-    assert results_main([str(tmp_path)]) == 2  # not a run directory
+    assert results_main([str(tmp_path / "train")]) == 2  # not a task=evaluate run directory
+    assert results_main([str(tmp_path)]) == 0  # a directory of runs (a sweep) stands for the runs in it
     torch.save({"weights": {}}, tmp_path / "bad.ckpt")
     with pytest.raises(ValueError, match="not a Lightning checkpoint written by task=finetune"):
         evaluate(eval_cfg(tmp_path / "c", *common, f"task.checkpoint={tmp_path / 'bad.ckpt'}"))
