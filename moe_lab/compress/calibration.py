@@ -232,10 +232,23 @@ def empty_stats(view: MoELayerView) -> dict[str, torch.Tensor]:
     return stats
 
 
+def _block(workspace: dict | None, shape: tuple[int, int, int], device) -> torch.Tensor:
+    """A contiguous fp32 [E, T_c, H] block, carved from a buffer reused across chunks, layers and batches
+    (a fresh large allocation per chunk costs page faults comparable to the statistics themselves)."""
+    numel = shape[0] * shape[1] * shape[2]
+    if workspace is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    buf = workspace.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = workspace[device] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel].view(shape)
+
+
 @torch.no_grad()
 def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, logits: torch.Tensor, seq_id: torch.Tensor,
-               inv_len: torch.Tensor, chunk_tokens: int) -> None:
-    """Add the statistics of real tokens ``x`` [N, H] (router ``logits`` [N, E], sequence ids, 1/L_j)."""
+               inv_len: torch.Tensor, chunk_tokens: int, workspace: dict | None = None) -> None:
+    """Add the statistics of real tokens ``x`` [N, H] (router ``logits`` [N, E], sequence ids, 1/L_j);
+    ``workspace`` (a dict) keeps the dense-output buffer between calls."""
     dev = x.device
     p = routing_probabilities(view, logits).double()
     weights, indices = select_topk(view.rule, logits, False, view.correction_bias)
@@ -251,19 +264,15 @@ def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, logits: torch.T
     acc["seq_act"] += (selected * inv).sum(0)
     for start in range(0, x.shape[0], chunk_tokens):
         xs = x[start:start + chunk_tokens]
-        F = torch.empty(E, xs.shape[0], x.shape[1], dtype=torch.float32, device=dev)
-        norms = torch.empty(E, xs.shape[0], dtype=torch.float32, device=dev)
-        out_sum = torch.empty(E, x.shape[1], dtype=torch.float32, device=dev)
-        for e in range(E):  # per-expert reductions while its output is hot in cache
+        F = _block(workspace, (E, xs.shape[0], x.shape[1]), dev)
+        for e in range(E):
             F[e] = expert_forward(view, e, xs)
-            torch.linalg.vector_norm(F[e], dim=-1, out=norms[e])
-            torch.sum(F[e], dim=0, out=out_sum[e])
         flat = F.reshape(E, -1)
         gram = (flat @ flat.T).double()
         acc["gram"] += gram
         acc["sq_norm"] += gram.diagonal()
-        acc["out_sum"] += out_sum.double()
-        norms = norms.double().T  # [T_c, E]
+        acc["out_sum"] += F.sum(1).double()
+        norms = torch.linalg.vector_norm(F, dim=-1).double().T  # [T_c, E]
         ws, ss, iv = w[start:start + chunk_tokens], selected[start:start + chunk_tokens], inv[start:start + chunk_tokens]
         acc["wnorm_sel"] += (ws * norms).sum(0)
         acc["norm_sel"] += (ss * norms).sum(0)
@@ -282,6 +291,7 @@ class _Recorder:
 
     def __init__(self, views: list[MoELayerView], context: TokenContext, layers: dict, chunk_tokens: dict):
         self.views, self.context, self.layers, self.chunk_tokens = views, context, layers, chunk_tokens
+        self.workspace: dict = {}
 
     def hook(self, view: MoELayerView):
         def pre_hook(module, args, kwargs):
@@ -300,7 +310,8 @@ class _Recorder:
                 x, logits, rows = x[mask], logits[mask], rows[mask]
             lengths = torch.bincount(rows, minlength=batch)
             inv_len = 1.0 / lengths.double()[rows]
-            accumulate(view, self.layers[view.index], x, logits, rows, inv_len, self.chunk_tokens[view.index])
+            accumulate(view, self.layers[view.index], x, logits, rows, inv_len, self.chunk_tokens[view.index],
+                       self.workspace)
         return pre_hook
 
 
