@@ -152,6 +152,24 @@ def test_chunked_split_and_padding_invariance():
         _assert_matches(other, ref, tol)
 
 
+def test_right_padding_adds_nothing():
+    """Rows padded on the right (causal attention never sees the pads) == each row alone without padding."""
+    model = build_tiny("deepseek_v3")
+    batch = random_batch(seed=6, pad_rows=())
+    lengths = [10, 7, 5]
+    for row, n in enumerate(lengths):
+        batch["input_ids"][row, n:] = 0
+        batch["attention_mask"][row, n:] = 0
+    padded = calibrate(model, [batch])
+    alone = calibrate(model, [{"input_ids": batch["input_ids"][r:r + 1, :n],
+                               "attention_mask": batch["attention_mask"][r:r + 1, :n]}
+                              for r, n in enumerate(lengths)])
+    ref = {layer: {k: (int(v) if v.dim() == 0 else v) for k, v in st.items()} for layer, st in alone.layers.items()}
+    _assert_matches(padded, ref, _tol(model))
+    assert padded.manifest["tokens"] == alone.manifest["tokens"] == 22
+    assert padded.manifest["data"]["sha256"] == alone.manifest["data"]["sha256"]
+
+
 def test_gram_properties():
     cal = calibrate(build_tiny("deepseek_v2"), [random_batch(seed=4)])
     for st in cal.layers.values():
