@@ -45,6 +45,18 @@ def _compress(cfg):
 TASKS["compress"] = _compress
 
 
+def _analysis(module: str, function: str):
+    def run(cfg):
+        import importlib
+
+        return getattr(importlib.import_module(f".{module}", __package__), function)(cfg)
+
+    return run
+
+
+TASKS["estimate"] = _analysis("estimate", "estimate_task")
+
+
 def run_task(cfg):
     """Run ``cfg.task.name`` and return its summary dict."""
     name = cfg.task.name
