@@ -11,7 +11,11 @@
 2. D-optimal greedy with incremental Cholesky/Schur updates against the naive greedy that recomputes
    log det(K_S + lambda I) for every candidate, E = 128, K = 64 (same order checked). Target: >= 20x.
 
-    python bench/compress.py [--reps 3] [--threads 2] [--device cpu|cuda] [--tokens 1024]
+3. One-process 350-point pre-distillation sweep (7 scores x 5 groupings x 2 scalings x 5 K) of tiny_qwen3_moe from
+   one calibration file against the same points as separate model loads + conversions (extrapolated from
+   --sweep-baseline-points of them). Target: >= 10x.
+
+    python bench/compress.py [--reps 3] [--threads 2] [--device cpu|cuda] [--tokens 1024] [--sweep-only]
 """
 
 from __future__ import annotations
@@ -154,10 +158,115 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--budget-mb", type=float, default=512)
+    parser.add_argument("--sweep-tokens", type=int, default=256, help="perplexity tokens per sweep point")
+    parser.add_argument("--sweep-only", action="store_true", help="run only the 350-point sweep benchmark (3.)")
+    parser.add_argument("--sweep-baseline-points", type=int, default=4,
+                        help="separate load + conversion runs timed for the sweep baseline (extrapolated to 350)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    bench_calibration(args)
-    bench_dopt(args)
+    if not args.sweep_only:
+        bench_calibration(args)
+        bench_dopt(args)
+    bench_sweep(args)
+
+
+# 3. One-process pre-distillation sweep (surgery helper) ------------------------------------------------------
+
+
+def bench_sweep(args) -> float:
+    """350-point sweep (7 scores x 5 groupings x 2 scalings x K in {2,3,4,6,8}) of tiny_qwen3_moe from ONE
+    calibration file in one process (``dense_sweep``: one model load, one student skeleton, FFNs rewritten per
+    point) against the same points done as separate runs: load the model and the calibration file, ``to_dense``
+    (a new student), the same perplexity. The separate runs are timed on ``--sweep-baseline-points`` points
+    (different scores/groupings) in this process (no interpreter start-up counted) and extrapolated to 350;
+    a separate ``python run.py task=compress`` process per point (what ``-m`` costs with a process-per-job
+    launcher) is timed once and reported as well. Target: >= 10x over the in-process separate runs."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from moe_lab.compress import Calibration, dense_sweep, to_dense
+    from moe_lab.compress.sweep import PAPER_SCORES, ppl_point
+    from moe_lab.data.collate import encode_prompt
+    from moe_lab.models import build_config
+    from moe_lab.moe.view import find_moe_layers  # noqa: F401 - same import cost on both sides
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = OmegaConf.load(root / "conf/model/tiny_qwen3_moe.yaml")
+    from moe_lab.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("byte")
+    text = (root / "README.md").read_text()[:4000]
+    ids = encode_prompt(tok, text)[: args.sweep_tokens]
+    ppl = {"max_length": 256, "stride": 256}
+    Ks = [2, 3, 4, 6, 8]
+    groupings, scalings = ["rr", "wc", "rc", "ab", "oc"], ["uniform", "proportional"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        torch.manual_seed(0)
+        teacher = transformers.AutoModelForCausalLM.from_config(build_config(cfg.config_class, cfg.config)).eval()
+        teacher.save_pretrained(tmp / "teacher")
+        teacher = transformers.AutoModelForCausalLM.from_pretrained(tmp / "teacher").eval()  # its name_or_path
+        gen = torch.Generator().manual_seed(0)
+        batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
+                   for b in torch.randint(3, 300, (16, 128), generator=gen).split(4)]
+        calibrate(teacher, batches).save(tmp / "cal.safetensors")
+        (tmp / "text.txt").write_text(tok.decode(ids))
+
+        def load():
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "teacher").eval()
+            return model, Calibration.load(tmp / "cal.safetensors")
+
+        start = time.perf_counter()
+        model, cal = load()
+        points = dense_sweep(model, tok, cal, ids, scores=PAPER_SCORES, groupings=groupings, scalings=scalings,
+                             Ks=Ks, **ppl)
+        t_sweep = time.perf_counter() - start
+        n = len(points)
+        picks = [(PAPER_SCORES[i % 7], groupings[(2 * i + 1) % 5], scalings[i % 2], Ks[(i + 2) % 5])
+                 for i in range(args.sweep_baseline_points)]
+        times = []
+        for score, grouping, scaling, K in picks:
+            t0 = time.perf_counter()
+            m, c = load()
+            student = to_dense(m, c, score=score, grouping=grouping, scaling=scaling, K=K)
+            value = ppl_point(student, tok, ids, **ppl)["ppl"]
+            times.append(time.perf_counter() - t0)
+            row = points[(points.score == score) & (points.grouping == grouping) & (points.scaling == scaling)
+                         & (points.K == K)]
+            assert float(row.ppl.iloc[0]) == value, "sweep point differs from a separate conversion"
+        per_point = sum(times) / len(times)
+        command = [sys.executable, str(root / "run.py"), "task=compress", "model=tiny_qwen3_moe",
+                   f"model.pretrained={tmp / 'teacher'}", f"compress.calibration_file={tmp / 'cal.safetensors'}",
+                   f"compress.eval.path={tmp / 'text.txt'}", "compress.eval.max_length=256", "compress.eval.stride=256",
+                   "compress.export=false", "logger=none", f"hydra.sweep.dir={tmp / 'multi'}"]
+
+        def run(*overrides) -> float:
+            t0 = time.perf_counter()
+            flags = [o for o in overrides if o == "-m"]
+            subprocess.run(command[:2] + flags + command[2:] + [o for o in overrides if o != "-m"], check=True,
+                           capture_output=True, cwd=root)
+            return time.perf_counter() - t0
+
+        t_process = run("compress.score=acp", "compress.K=4", f"hydra.run.dir={tmp / 'run'}")
+        # Hydra -m with the basic launcher: jobs run one after another in one process, each loading and converting
+        t_multi = run("-m", "compress.score=sf,acp", "compress.K=2,4,8") - t_process
+        t_job = t_multi / 5  # six jobs minus the one-job process above: the cost of a job after the first
+    ratio = per_point * n / t_sweep
+    print(f"sweep: tiny_qwen3_moe (E=8, k=2), {n} points (7 scores x 5 groupings x 2 scalings x K {Ks}), "
+          f"{len(ids)} eval tokens, {torch.get_num_threads()} threads, {int((points.status != 'ok').sum())} failed")
+    print(f"  one process: {t_sweep:.1f} s ({t_sweep / n * 1e3:.0f} ms/point, incl. the one model + calibration load)")
+    print(f"  separate load + to_dense + ppl: {per_point * 1e3:.0f} ms/point (mean of {len(times)}, same ppl) -> "
+          f"{per_point * n:.1f} s for {n}")
+    print(f"  `python run.py -m task=compress ...` (basic launcher, one process): {t_job:.2f} s per further job -> "
+          f"{t_job * n:.0f} s ({t_job * n / t_sweep:.0f}x)")
+    print(f"  separate `python run.py task=compress` process: {t_process:.1f} s/point -> {t_process * n:.0f} s "
+          f"({t_process * n / t_sweep:.0f}x)")
+    print(f"  ratio separate runs / one-process sweep = {ratio:.1f}x (target >= 10)")
+    return ratio
 
 
 if __name__ == "__main__":
