@@ -55,6 +55,7 @@ def _analysis(module: str, function: str):
 
 
 TASKS["estimate"] = _analysis("estimate", "estimate_task")
+TASKS["correlation"] = _analysis("correlation", "correlation_task")
 
 
 def run_task(cfg):
