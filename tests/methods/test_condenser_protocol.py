@@ -175,3 +175,16 @@ def test_frozen_warmup_is_refused_under_deepspeed():
     module.trainer = trainer
     with pytest.raises(ValueError, match="warmup_trains_weights=false"):
         module.on_fit_start()
+
+
+def test_soft_usage_counted_once_under_activation_checkpointing():
+    batch = random_batch()
+    results = []
+    for checkpointing in (False, True):
+        model = build_tiny("qwen3_moe").train()
+        patch = moe_lab.apply(model, "condenser", n=0, load="soft")
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(**batch).loss.backward()
+        results.append(torch.stack([layer.soft_load.clone() for layer in patch.layers]))
+    assert torch.equal(results[0], results[1]) and results[0].sum() > 0
