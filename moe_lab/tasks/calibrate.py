@@ -33,7 +33,8 @@ def calibration_sequences(dataset_cfg: DictConfig, tokenizer, c) -> tuple[list[d
     n, seq_len, batch_size = (_positive(c, k) for k in ("num_sequences", "seq_len", "batch_size"))
     if c.sample not in ("random", "first"):
         raise ValueError(f"compress.calibration.sample={c.sample!r}: choose random or first")
-    dm = instantiate(dataset_cfg, tokenizer=tokenizer)
+    no_val = {"val_split": None} if "val_split" in dataset_cfg else {}  # calibration reads training data only
+    dm = instantiate(dataset_cfg, tokenizer=tokenizer, **no_val)
     label = f"{dataset_cfg.get('path')}"
     if dataset_cfg.get("name"):
         label += f" ({dataset_cfg.name})"

@@ -296,6 +296,14 @@ def test_calibrate_task_on_local_text(tmp_path):
     again = run_task(_compose(tmp_path / "again", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
                               "compress.calibration.num_sequences=5", "compress.calibration.seq_len=16"))
     assert Calibration.load(again["calibration"]).manifest["data"] == cal.manifest["data"]
+    from moe_lab.tasks.calibrate import calibration_sequences
+
+    sft = _compose(tmp_path / "sft", "model=tiny_mixtral", "dataset@compress.calibration.dataset=synthetic_math",
+                   "compress.calibration.num_sequences=5")
+    _, tokenizer = load_model(sft.model)
+    rows, label = calibration_sequences(sft.compress.calibration.dataset, tokenizer, sft.compress.calibration)
+    assert sum(b["input_ids"].shape[0] for b in rows) == 5 and "first 5" in label
+    assert all(b["attention_mask"].shape == b["input_ids"].shape for b in rows)
     with pytest.raises(ValueError, match="compress.calibration.num_sequences=500"):
         run_task(_compose(tmp_path / "big", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
                           "compress.calibration.num_sequences=500", "compress.calibration.seq_len=16"))
