@@ -74,3 +74,8 @@ def test_two_phases_bias_file_condensers_and_original_weights(tmp_path):
     for phase, steps in (("phase1", 4), ("phase2", 3)):  # task=evaluate labels exports from these
         saved = OmegaConf.load(out / phase / "config.yaml")
         assert saved.method.name == "condenser" and saved.task.trainer.max_steps == steps
+    # phase 1's bias file given: phase 1 is skipped and phase 2 repeats exactly (same start, seed and data)
+    again = tmp_path / "again"
+    run_task(_cfg(again, "task.optim.lr=0.0", f"task.phase1.bias_file={out / 'phase1' / 'condenser.json'}"))
+    assert not (again / "phase1").exists()
+    assert json.loads((again / "phase2" / "condenser.json").read_text())["layers"] == p2
