@@ -134,13 +134,12 @@ def _dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out: Path) -> dic
     files = write_grid(points, out, title=f"{model.config.model_type} pre-distillation perplexity")
     table = grid_table(points)
     print(grid_markdown(table), flush=True)
-    best = {f"{s}/{gr}": {"scaling": sc, "K": int(row.best_K), "ppl": row.best_ppl}
-            for (s, gr, sc), row in table.iterrows() if not math.isnan(row.best_ppl)}
     # Stage 2 choice per (score, grouping): the (K, scaling) with the lowest pre-distillation ppl
     chosen = {}
-    for key, value in best.items():
-        if key not in chosen or value["ppl"] < chosen[key]["ppl"]:
-            chosen[key] = value
+    for (s, gr, sc), row in table.iterrows():
+        key = f"{s}/{gr}"
+        if not math.isnan(row.best_ppl) and (key not in chosen or row.best_ppl < chosen[key]["ppl"]):
+            chosen[key] = {"scaling": sc, "K": int(row.best_K), "ppl": float(row.best_ppl)}
     failed = int((points.status != "ok").sum())
     return {"points": len(points), "failed_points": failed, "rows": total, "best_per_pair": chosen,
             "sweep_seconds": round(float(points.seconds.sum()), 2), "files": {k: str(v) for k, v in files.items()}}

@@ -142,6 +142,12 @@ def test_task_compress(mode, tmp_path):
         summary = compress(cfg)
         assert summary["points"] == 2 * 2 * 2 * 3  # K = 2, 4, 8 (k, 2k, E)
         assert set(summary["best_per_pair"]) == {"sf/rr", "sf/rc", "cp/rr", "cp/rc"}
+        points = pd.read_csv(tmp_path / "points.csv")
+        for pair, choice in summary["best_per_pair"].items():  # the lowest ppl over (K, scaling) of the pair
+            score, grouping = pair.split("/")
+            rows = points[(points.score == score) & (points.grouping == grouping)]
+            best = rows.loc[rows.ppl.idxmin()]
+            assert (choice["K"], choice["scaling"], choice["ppl"]) == (best.K, best.scaling, best.ppl)
         assert (tmp_path / "grid.md").read_text().count("\n") == 2 + 8
     else:
         cfg = _cfg(tmp_path, *common, "compress=prune", "compress.prune.strategy=small_dense",
