@@ -182,7 +182,8 @@ def _matches(paper: dict, ours: Ours) -> bool:
 def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) -> tuple[list[dict], list[Ours]]:
     """(comparison rows in ``OUT_FIELDS``, our cells that match no paper cell).
 
-    Only tables with at least one of our cells are listed unless ``all_tables``; where several of our runs
+    Only the rows (table, model, method) with at least one of our cells are listed unless ``all_tables``
+    (then every paper cell is); where several of our runs
     match one paper cell the last one given wins (and a warning names both)."""
     used: set[int] = set()
     rows = []
@@ -207,8 +208,8 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) ->
             "partial": mine is not None and mine.partial,
         })
     if not all_tables:
-        shown = {r["table"] for r in rows if r["run"] is not None}
-        rows = [r for r in rows if r["table"] in shown]
+        shown = {(r["table"], r["model"], r["method"]) for r in rows if r["run"] is not None}
+        rows = [r for r in rows if (r["table"], r["model"], r["method"]) in shown]
     return rows, [cell for k, cell in enumerate(ours) if k not in used]
 
 
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write comparison.csv and comparison.md into this directory")
     parser.add_argument("--as", dest="aliases", type=_alias, action="append", default=[], metavar="OURS=PAPER",
                         help="rename one of our model / method / train labels before matching (repeatable)")
-    parser.add_argument("--all", action="store_true", help="also list paper tables with none of our results")
+    parser.add_argument("--all", action="store_true", help="also list the paper rows with none of our results")
     parser.add_argument("--reported", default=None, help="a reported.csv to use instead of the paper's (e.g. a "
                         "copy with the paper's numbers filled in)")
     args = parser.parse_args(argv)

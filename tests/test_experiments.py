@@ -266,7 +266,9 @@ def sweep(tmp_path):
 
 
 def _lines(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    """The body rows of the printed markdown tables, as lists of cells (header lines left out)."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return [r for r in rows if r[0] != "model"]
 
 
 def test_collector_prints_ours_next_to_the_paper_with_differences(sweep, tmp_path, capsys):
@@ -303,7 +305,10 @@ def test_collector_reads_single_runs_and_real_layouts(sweep, capsys):
     rows = _lines(capsys.readouterr().out)
     olmoe = {r[3]: r[5:] for r in rows if r[0] == "OLMoE-1B-7B-0125" and r[1] == "SFT"}
     assert olmoe["GSM8K"] == ["n/a", "40.00", "n/a"] and olmoe["MAWPS"] == ["n/a", "n/a", "n/a"]
-    assert {r[0] for r in rows} >= {"OLMoE-1B-7B-0125", "DeepSeek-V2-Lite"}  # the whole Math7K table
+    assert {(r[0], r[1]) for r in rows if r[0] != "olmoe_0125"} == {("OLMoE-1B-7B-0125", "SFT")}
+    assert collect.main(["condenser", str(run), "--all"]) == 0  # every paper row, ours or not
+    rows = _lines(capsys.readouterr().out)
+    assert {r[0] for r in rows} >= {"OLMoE-1B-7B-0125", "DeepSeek-V2-Lite", "GPT-OSS-20B"}
 
 
 def test_collector_matches_eval_settings_and_aliases(tmp_path, capsys):
