@@ -32,10 +32,9 @@ def _duration(seconds: float) -> str:
 class StepProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar over optimizer steps (``global_step / max_steps``) with loss and it/s."""
 
-    def init_train_tqdm(self):
-        bar = super().init_train_tqdm()
-        bar.set_description("train", refresh=False)
-        return bar
+    @property
+    def train_description(self) -> str:
+        return "train"
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *_) -> None:
         bar = self.train_progress_bar
