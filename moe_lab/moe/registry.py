@@ -39,11 +39,13 @@ def _dense_deepseek(config, width) -> dict:
     return {"intermediate_size": width, "first_k_dense_replace": config.num_hidden_layers}
 
 
-def _one_expert(width_field: str, count_field: str):
-    def overrides(config, width) -> dict:
-        return {width_field: width, count_field: 1, "num_experts_per_tok": 1}
+def _one_expert_overrides(width_field: str, count_field: str, config, width) -> dict:
+    return {width_field: width, count_field: 1, "num_experts_per_tok": 1}
 
-    return overrides
+
+def _one_expert(width_field: str, count_field: str):
+    """Config overrides for a one-expert (dense) model of the same family (picklable)."""
+    return functools.partial(_one_expert_overrides, width_field, count_field)
 
 
 @dataclass(frozen=True)
