@@ -159,6 +159,7 @@ def grid_heatmap(table: pd.DataFrame, path, title: str = "pre-distillation perpl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     Ks = [c for c in table.columns if c not in ("best_K", "best_ppl")]
@@ -183,8 +184,9 @@ def grid_heatmap(table: pd.DataFrame, path, title: str = "pre-distillation perpl
     ax.set_xticks(range(len(Ks)), [f"K={K}" for K in Ks])
     ax.xaxis.tick_top()
     ax.set_yticks(range(n_rows), [" / ".join(map(str, idx)) for idx in table.index], fontsize=7)
-    ax.set_title(f"{title}\n(log10 colour; red box = row minimum; grey = NaN/inf)", fontsize=9, pad=18)
-    fig.colorbar(image, ax=ax, label="log10 perplexity", fraction=0.04, pad=0.02)
+    ax.set_title(f"{title}\n(log colour scale; red box = row minimum; grey = NaN/inf)", fontsize=9, pad=18)
+    bar = fig.colorbar(image, ax=ax, label="perplexity (log scale)", fraction=0.04, pad=0.02)
+    bar.ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: format_ppl(10 ** v)))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=130)
