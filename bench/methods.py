@@ -6,7 +6,8 @@ all methods are interleaved round-robin and medians compared, so machine noise h
 ``densemixer_naive`` runs every expert with autograd (the baseline DenseMixer must beat).
 
 Targets: densemixer <= 1.15 x its flop_ratio and below densemixer_naive; condenser <= 1.05;
-esft <= 1.0; compressed_experts (k/2 main) <= 0.85.
+esft within 5% of its flop_ratio (computed from the routing this run measured); compressed_experts
+(k/2 main) <= 0.85.
 
     python bench/methods.py [--steps 10] [--threads 2] [--methods sft,densemixer,...]
 """
@@ -23,6 +24,7 @@ import transformers
 from sft_step import train_step  # bench/ is on sys.path when run as `python bench/methods.py`
 
 import moe_lab
+from moe_lab.methods.base import sliced_weight_decay
 from moe_lab.methods.densemixer import dense_weights
 from moe_lab.moe.aux_loss import native_aux_loss_coef
 from moe_lab.moe.experts import expert_forward
@@ -65,10 +67,27 @@ def flop_ratios(cfg: dict) -> dict[str, float]:
         "densemixer": (sft + layers * (e - k) * expert) / sft,
         "densemixer_naive": (sft + 3 * layers * (e - k) * expert) / sft,
         "condenser": 1.0,
-        # frozen attention/router/most experts: their backward computes input gradients only (1 x)
-        "esft": (3 * head + layers * (2 * (attn + router) + k * expert * (2 + ESFT_EXPERTS / e))) / sft,
+        # uniform-routing estimate; main() replaces it by esft_flop_ratio on the run's measured routing
+        "esft": esft_flop_ratio(cfg, [ESFT_EXPERTS / e] * layers),
         "compressed_experts": (3 * (other + layers * k_main * expert)) / sft,
     }
+
+
+def esft_flop_ratio(cfg: dict, trained_fraction: list[float]) -> float:
+    """ESFT step FLOPs / SFT's, matmuls only. ``trained_fraction[l]``: share of layer l's routed (token,
+    expert) pairs that go to trained experts (the rest cost no weight gradient). Everything but the
+    selected experts is frozen: lm_head, routers and attention need input gradients only (2 x), and
+    below layer 0's experts nothing needs a gradient (its attention and router: 1 x; its experts: forward
+    + weight gradients, no input gradient)."""
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    e, k, vocab = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
+    attn, expert, router, head = 2 * 4 * h * h + 2 * 2 * SEQ * h, 2 * 3 * h * i, 2 * h * e, 2 * h * vocab
+    sft = 3 * (layers * (attn + router) + head + layers * k * expert)
+    esft = 2 * head
+    for layer, fraction in enumerate(trained_fraction):
+        first = layer == 0
+        esft += (1 if first else 2) * (attn + router) + k * expert * ((1 if first else 2) + fraction)
+    return esft / sft
 
 
 def build(method: str, base) -> torch.nn.Module:
@@ -89,6 +108,21 @@ def build(method: str, base) -> torch.nn.Module:
         patch = moe_lab.apply(model, method)
     model.moe_lab_patch = patch
     return model
+
+
+def optimizer(model) -> torch.optim.Optimizer:
+    """AdamW (lr 1e-5, weight decay 0.01) over the trainable parameters, grouped as the moe-lab Lightning
+    module groups them: tensors trained only on some expert slices (ESFT) in a zero-decay group whose trained
+    slices are decayed by ``sliced_weight_decay``, so no optimizer step has to copy and restore frozen slices."""
+    masks = model.moe_lab_patch.expert_slice_masks
+    sliced = {id(p) for p, _ in masks.values()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) not in sliced], "weight_decay": 0.01},
+              {"params": [p for p in params if id(p) in sliced], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-5)
+    if masks:
+        sliced_weight_decay(opt, masks.values(), 0.01)
+    return opt
 
 
 def step(model, optimizer, batch) -> float:
@@ -115,8 +149,7 @@ def main():
     skipped = [m for m in names if m not in available]
     names = [m for m in names if m in available]
     models = {m: build(m, base) for m in names}
-    optimizers = {m: torch.optim.AdamW([p for p in models[m].parameters() if p.requires_grad], lr=1e-5)
-                  for m in names}
+    optimizers = {m: optimizer(models[m]) for m in names}
     ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     times = {m: [] for m in names}
@@ -127,6 +160,11 @@ def main():
             if rep >= args.warmup:
                 times[m].append(t)
     flops = flop_ratios(BENCH_CONFIG)
+    if "esft" in models:  # the FLOP ratio of the routing this run measured (routing counts of every step)
+        patch = models["esft"].moe_lab_patch
+        counts = patch.counts().double()
+        trained = counts[:, :ESFT_EXPERTS].sum(1) / counts.sum(1)
+        flops["esft"] = esft_flop_ratio(BENCH_CONFIG, trained.tolist())
     sft = statistics.median(times["sft"])
     print(f"bench=methods config=olmoe-like(h256,E16,k4,L4) batch={BATCH}x{SEQ} steps={args.steps} "
           f"sft_step_median_s={sft:.4f}")
