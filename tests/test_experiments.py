@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,40 @@ def test_reported_values_come_only_from_the_specs():
         assert rows
         for row in rows:
             assert row["value"] is None and "not in specs" in row["source"], (paper, row)
+
+
+def _readme_commands() -> list[str]:
+    """Every ``python run.py ...`` command in experiments/**/README.md (inline or in a code block)."""
+    commands = []
+    for readme in sorted((ROOT / "experiments").rglob("README.md")):
+        text = readme.read_text()
+        commands += re.findall(r"`(python run\.py [^`]*)`", text)
+        joined = re.sub(r"\\\n\s*", " ", text)
+        commands += [line.strip() for line in joined.splitlines() if line.strip().startswith("python run.py ")]
+    return commands
+
+
+def _override_variants(command: str) -> list[tuple[str, ...]]:
+    """The Hydra overrides of a documented command, one variant per value of each comma-separated sweep
+    (the others at their first value); shell substitutions, placeholders and hydra.* settings left out."""
+    command = re.sub(r"\$\([^)]*\)|\S*<[^>]*>\S*", "", command).replace("${t}", "intent").replace("$t", "intent")
+    tokens = [t for t in shlex.split(command)[2:] if t != "-m" and not t.endswith(("=", "=..."))
+              and not t.startswith("hydra.")]
+    sweeps = {k: t.split("=", 1) for k, t in enumerate(tokens) if "," in t and "[" not in t}
+    first = [f"{sweeps[k][0]}={sweeps[k][1].split(',')[0]}" if k in sweeps else t for k, t in enumerate(tokens)]
+    variants = {tuple(first)}
+    for k, (key, values) in sweeps.items():
+        variants |= {(*first[:k], f"{key}={v}", *first[k + 1:]) for v in values.split(",")}
+    return sorted(variants)
+
+
+def test_readme_commands_compose():
+    """The commands the experiments READMEs document are valid (every swept value composes)."""
+    commands = _readme_commands()
+    assert len(commands) >= 15
+    for command in commands:
+        for overrides in _override_variants(command):
+            _compose(*overrides)
 
 
 # ----------------------------------------------------------------------------------------------------
