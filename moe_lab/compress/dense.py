@@ -186,6 +186,15 @@ def canonical(config, fields: dict) -> dict:
     return {aliases.get(k, k): v for k, v in fields.items()}
 
 
+def build_uninitialised(config, dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` without random initialisation (every tensor is overwritten by the
+    caller; non-persistent buffers such as rotary frequencies are still computed)."""
+    from transformers.initialization import no_init_weights
+
+    with torch.random.fork_rng(devices=[]), no_init_weights():
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def _sibling(path: str, layer: int) -> str:
     return re.sub(r"layers\.\d+\.", f"layers.{layer}.", path, count=1)
 
@@ -209,8 +218,7 @@ class DenseBuilder:
         self.width = dense_width(self.views)
         config = target_config(teacher.config, self.width)
         dtype = next(teacher.parameters()).dtype
-        with torch.random.fork_rng(devices=[]):
-            student = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        student = build_uninitialised(config, dtype)
         self.student = student.to(next(teacher.parameters()).device).eval()
         self._copy_backbone()
 
@@ -227,6 +235,7 @@ class DenseBuilder:
         dense = {_sibling(self.views[0].name, i) + "." for i in dense_layer_indices(self.teacher, self.views)}
         for name, tensor in self.student.state_dict().items():
             if any(name.startswith(p) for p in prefixes):
+                tensor.zero_()  # written by write(); never left uninitialised
                 continue
             src = source.get(name)
             if src is not None and src.shape == tensor.shape:

@@ -24,7 +24,7 @@ from ..models import validate_config
 from ..moe.registry import expert_count_field
 from ..moe.view import MoELayerView, find_moe_layers
 from .calibration import Calibration
-from .dense import canonical
+from .dense import build_uninitialised, canonical
 from .grouping import rank
 from .scores import scores as expert_scores
 
@@ -165,12 +165,10 @@ def prune_experts(model: nn.Module, calibration: Calibration | None = None, keep
         _check_groups(view, kept[view.index], top_k)
     config = pruned_config(model.config, keep, top_k)
     dtype = next(model.parameters()).dtype
-    with torch.random.fork_rng(devices=[]):
-        pruned = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    pruned.to(next(model.parameters()).device).eval()
+    pruned = build_uninitialised(config, dtype).to(next(model.parameters()).device).eval()
     sliced = _sliced_state(model, views, kept)
     missing, unexpected = pruned.load_state_dict(sliced, strict=False)
-    if missing or unexpected:
+    if missing or unexpected:  # every tensor must come from the model (the new one is uninitialised)
         raise ValueError(f"pruned model does not match the sliced weights (missing {missing}, unexpected "
                          f"{unexpected})")
     pruned.moe_lab_manifest = {"method": "prune", "score": score, "keep": keep, "top_k": top_k,
