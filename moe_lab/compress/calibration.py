@@ -373,6 +373,8 @@ def calibrate(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the Gram matrix and norms (spec 0.3)
     skip, prefix = manifest["batches_done"], ""
     try:
         with context.calibration():
@@ -401,6 +403,7 @@ def calibrate(
         for hook in hooks:
             hook.remove()
         model.train(was_training)
+        torch.set_float32_matmul_precision(precision)
     if manifest["batches_done"] == 0:
         raise ValueError("calibrate() got no batches: check compress.calibration.num_sequences and the dataset")
     manifest["complete"] = True
