@@ -106,6 +106,12 @@ def main(cfg: DictConfig):
     from moe_lab.tasks.preflight import preflight
 
     _quiet()
+    if not sys.stdout.isatty():  # carriage-return bars of file writes are noise in logs and CI
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     _route_lightning_logs_through_hydra()
 
     out = Path(cfg.paths.output_dir)

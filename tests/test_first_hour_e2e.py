@@ -16,7 +16,7 @@ import torch
 from tests.conftest import ROOT
 from tests.test_run import run_py
 
-NOISE = ("litlogger", "LeafSpec", "Setting accelerator to CPU", "Previous log files")
+NOISE = ("litlogger", "LeafSpec", "Setting accelerator to CPU", "Previous log files", "Writing model shards")
 
 
 def _steps(path: Path, name: str = "train/loss") -> list[int]:
