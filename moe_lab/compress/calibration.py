@@ -269,6 +269,7 @@ def accumulate(view: MoELayerView, stats: dict, x: torch.Tensor, logits: torch.T
             F[e] = expert_forward(view, e, xs)
         flat = F.reshape(E, -1)
         gram = (flat @ flat.T).double()
+        gram = (gram + gram.T) * 0.5  # exactly symmetric whatever the GEMM kernel's blocking (diagonal unchanged)
         acc["gram"] += gram
         acc["sq_norm"] += gram.diagonal()
         acc["out_sum"] += F.sum(1).double()
