@@ -114,8 +114,8 @@ def _random_scores(calibration: Calibration, seed: int) -> dict[int, torch.Tenso
     return out
 
 
-def scores(calibration: Calibration, method: str, *, seed: int = 0, variant: str = "gated",
-           **_) -> dict[int, torch.Tensor]:
+def scores(calibration: Calibration, method: str, *, seed: int = 0, variant: str = "gated"
+           ) -> dict[int, torch.Tensor]:
     """Per-layer expert scores (float64 [E], >= 0) of ``method``; DO-CP / DO-ACP give their base importance
     (CP / ACP). ``seed``: random; ``variant``: es_mag ``gated`` (||w_e f_e||, default) or ``ungated``."""
     fn, needs = _method(method)
