@@ -175,6 +175,8 @@ class MoEPatch:
         the caller adds :func:`moe_lab.moe.aux_loss.added_aux_loss` once, so nothing is counted twice.
         """
         field = self.spec.aux_loss_field
+        if not hasattr(self, "_exported_output_router_logits"):
+            self._exported_output_router_logits = getattr(self.model.config, "output_router_logits", False)
         self.model.config.output_router_logits = coef > 0
         if field is None or self.spec.aux_loss != "hf":
             return False
@@ -190,7 +192,7 @@ class MoEPatch:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            with self.removed():
+            with self.removed(), self._exported_config():
                 state_dict = self.export_state_dict() if self.export_state_dict else None
                 self.model.save_pretrained(tmp, safe_serialization=safe_serialization, state_dict=state_dict)
             if tokenizer is not None:
@@ -202,6 +204,20 @@ class MoEPatch:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
+
+    @contextmanager
+    def _exported_config(self):
+        """The model's own ``output_router_logits`` while saving: the training aux-loss switch is not part of
+        the checkpoint (with it, HF computes a batch-shaped aux loss during cached generation and fails)."""
+        config = self.model.config
+        training_value = getattr(config, "output_router_logits", None)
+        if hasattr(self, "_exported_output_router_logits"):
+            config.output_router_logits = self._exported_output_router_logits
+        try:
+            yield
+        finally:
+            if training_value is not None:
+                config.output_router_logits = training_value
 
     def __repr__(self) -> str:
         return (
