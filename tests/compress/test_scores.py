@@ -139,6 +139,8 @@ def test_bad_input_is_named(tiny_cals):
         scores(cal, "foo")
     with pytest.raises(ValueError, match="compress.K=5 must be between 1 and num_experts=4"):
         select_experts(cal, "sf", 5)
+    with pytest.raises(TypeError, match="lam"):
+        scores(cal, "sf", lam=0.1)  # a misspelt or misplaced option is not silently ignored
     with pytest.raises(ValueError, match="es_mag variant='both'"):
         scores(cal, "es_mag", variant="both")
     del cal.layers[3]["gram"]
