@@ -188,6 +188,7 @@ def bench_sweep(args) -> float:
     (different scores/groupings) in this process (no interpreter start-up counted) and extrapolated to 350;
     a separate ``python run.py task=compress`` process per point (what ``-m`` costs with a process-per-job
     launcher) is timed once and reported as well. Target: >= 10x over the in-process separate runs."""
+    import os
     import subprocess
     import sys
     import tempfile
@@ -254,21 +255,27 @@ def bench_sweep(args) -> float:
         def run(*overrides) -> float:
             t0 = time.perf_counter()
             flags = [o for o in overrides if o == "-m"]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}  # the same thread count as this process
             subprocess.run(command[:2] + flags + command[2:] + [o for o in overrides if o != "-m"], check=True,
-                           capture_output=True, cwd=root)
+                           capture_output=True, cwd=root, env=env)
             return time.perf_counter() - t0
 
         t_process = run("compress.score=acp", "compress.K=4", f"hydra.run.dir={tmp / 'run'}")
-        # Hydra -m with the basic launcher: jobs run one after another in one process, each loading and converting
-        t_multi = run("-m", "compress.score=sf,acp", "compress.K=2,4,8") - t_process
-        t_job = t_multi / 5  # six jobs minus the one-job process above: the cost of a job after the first
+        # Hydra -m with the basic launcher: jobs run one after another in one process, each loading the model and
+        # the calibration file and converting; a job's own wall time (its summary.json, from model load to the
+        # end) is averaged over the jobs after the first
+        run("-m", "compress.score=sf,acp", "compress.K=2,4,8")
+        import json
+
+        jobs = sorted((tmp / "multi").glob("*/summary.json"), key=lambda p: int(p.parent.name.split("_")[0]))
+        t_job = sum(json.loads(p.read_text())["wall_time_s"] for p in jobs[1:]) / max(len(jobs) - 1, 1)
     ratio = per_point * n / t_sweep
     print(f"sweep: tiny_qwen3_moe (E=8, k=2), {n} points (7 scores x 5 groupings x 2 scalings x K {Ks}), "
           f"{len(ids)} eval tokens, {torch.get_num_threads()} threads, {int((points.status != 'ok').sum())} failed")
     print(f"  one process: {t_sweep:.1f} s ({t_sweep / n * 1e3:.0f} ms/point, incl. the one model + calibration load)")
     print(f"  separate load + to_dense + ppl: {per_point * 1e3:.0f} ms/point (mean of {len(times)}, same ppl) -> "
           f"{per_point * n:.1f} s for {n}")
-    print(f"  `python run.py -m task=compress ...` (basic launcher, one process): {t_job:.2f} s per further job -> "
+    print(f"  `python run.py -m task=compress ...` (basic launcher, one process): {t_job:.2f} s per job -> "
           f"{t_job * n:.0f} s ({t_job * n / t_sweep:.0f}x)")
     print(f"  separate `python run.py task=compress` process: {t_process:.1f} s/point -> {t_process * n:.0f} s "
           f"({t_process * n / t_sweep:.0f}x)")
