@@ -332,3 +332,25 @@ def test_results_accept_a_sweep_directory_and_skip_non_runs(tmp_path, capsys):
     assert results_main([str(p) for p in sorted(sweep.iterdir())]) == 0
     out = capsys.readouterr()
     assert "| a | sft | 10.0 |" in out.out and "multirun.yaml is not a run directory" in out.err
+
+
+def test_progress_log_never_stays_silent_longer_than_max_silence(caplog):
+    from types import SimpleNamespace
+
+    log = ProgressLog(every_n_steps=100, max_silence_s=0.0)  # every step is "too long" since the last line
+    trainer = SimpleNamespace(global_step=0, max_steps=1000, is_global_zero=True,
+                              callback_metrics={"train/loss": torch.tensor(2.5)})
+    log.on_fit_start(trainer, None)
+    log.on_train_start(trainer, None)
+    with caplog.at_level("INFO", logger="moe_lab.progress"):
+        for step in (1, 2, 3):
+            trainer.global_step = step
+            log.on_train_batch_end(trainer, None, None, None, step - 1)
+    assert [r.getMessage().split(" | ")[:2] for r in caplog.records] == [
+        [f"step {s}/1000", "train/loss 2.5000"] for s in (1, 2, 3)]
+    quiet = ProgressLog(every_n_steps=100, max_silence_s=3600.0)
+    quiet.on_train_start(trainer, None)
+    trainer.global_step = 4
+    caplog.clear()
+    quiet.on_train_batch_end(trainer, None, None, None, 3)
+    assert caplog.records == []

@@ -64,15 +64,17 @@ class StepProgressBar(TQDMProgressBar):
 class ProgressLog(Callback):
     """A log line every ``every_n_steps`` optimizer steps: step, loss, it/s, elapsed and remaining time.
 
-    ``every_n_steps=None`` picks about 20 lines per run; ``quiet`` logs nothing. ``wall_time_s`` is the run's total wall time,
-    including the segments before a resume.
+    ``every_n_steps=None`` picks about 20 lines per run; a line also comes when ``max_silence_s`` have passed
+    since the last one (slow steps never leave the log silent for minutes); ``quiet`` logs nothing.
+    ``wall_time_s`` is the run's total wall time, including the segments before a resume.
     """
 
-    def __init__(self, every_n_steps: int | None = None, quiet: bool = False):
+    def __init__(self, every_n_steps: int | None = None, quiet: bool = False, max_silence_s: float = 60.0):
         if every_n_steps is not None and int(every_n_steps) <= 0:
             raise ValueError(f"callbacks.progress.every_n_steps={every_n_steps}: use a positive integer or null")
         self.every_n_steps = every_n_steps
         self.quiet = quiet
+        self.max_silence_s = max_silence_s
         self.before_s = 0.0  # wall time of earlier segments (restored from the checkpoint)
         self._start = None
         self._window = None
@@ -100,9 +102,10 @@ class ProgressLog(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, total = trainer.global_step, trainer.max_steps
         every = self.every_n_steps or max(1, total // 20 if total > 0 else 50)
-        if self.quiet or step == self._window[1] or (step % every and step != total) or not trainer.is_global_zero:
-            return
         now = time.time()
+        due = step % every == 0 or step == total or now - self._window[0] >= self.max_silence_s
+        if self.quiet or step == self._window[1] or not due or not trainer.is_global_zero:
+            return
         rate = (step - self._window[1]) / max(now - self._window[0], 1e-9)
         self._window = (now, step)
         loss = _loss(trainer)
@@ -116,8 +119,8 @@ class ProgressLog(Callback):
         log.info(" | ".join(parts))
 
 
-def progress(every_n_steps: int | None = None, tty: bool | None = None) -> list[Callback]:
+def progress(every_n_steps: int | None = None, tty: bool | None = None, max_silence_s: float = 60.0) -> list[Callback]:
     """The progress callbacks for this console: a bar on a terminal, log lines otherwise (the
     :class:`ProgressLog` is always there: it keeps the wall time)."""
     tty = sys.stdout.isatty() if tty is None else tty
-    return [StepProgressBar(), ProgressLog(quiet=True)] if tty else [ProgressLog(every_n_steps)]
+    return [StepProgressBar(), ProgressLog(quiet=True)] if tty else [ProgressLog(every_n_steps, max_silence_s=max_silence_s)]
