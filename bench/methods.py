@@ -1,6 +1,8 @@
 """Per-step cost of every method relative to conventional SFT, next to its analytic FLOP ratio.
 
-One line per method: ``method=<name> step_ratio=<median step / median sft step> flop_ratio=<analytic>``.
+One line per method: ``method=<name> step_ratio=<median step / median sft step> cpu_ratio=<the same in
+this process's CPU time> flop_ratio=<analytic>``. On a shared machine cpu_ratio with ``--threads 1`` is the
+robust one (wall time there mostly measures waiting for a core).
 Bench config: OLMoE-like, hidden 256, 16 experts top-4, 4 layers, batch 8 x 256 tokens; AdamW steps of
 all methods are interleaved round-robin and medians compared, so machine noise hits all alike.
 ``densemixer_naive`` runs every expert with autograd (the baseline DenseMixer must beat).
@@ -125,12 +127,13 @@ def optimizer(model) -> torch.optim.Optimizer:
     return opt
 
 
-def step(model, optimizer, batch) -> float:
-    """One timed training step including the method's per-step hooks (e.g. condenser bias updates)."""
-    start = time.perf_counter()
+def step(model, optimizer, batch) -> tuple[float, float]:
+    """One timed training step including the method's per-step hooks (e.g. condenser bias updates):
+    (wall seconds, CPU seconds of this process)."""
+    start, cpu = time.perf_counter(), time.process_time()
     train_step(model, optimizer, batch)
     model.moe_lab_patch.after_optimizer_step()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main():
@@ -152,24 +155,26 @@ def main():
     optimizers = {m: optimizer(models[m]) for m in names}
     ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    times = {m: [] for m in names}
+    times, cpu_times = {m: [] for m in names}, {m: [] for m in names}
     for rep in range(args.warmup + args.steps):
         order = names if rep % 2 == 0 else names[::-1]
         for m in order:
             t = step(models[m], optimizers[m], batch)
             if rep >= args.warmup:
-                times[m].append(t)
+                times[m].append(t[0])
+                cpu_times[m].append(t[1])
     flops = flop_ratios(BENCH_CONFIG)
     if "esft" in models:  # the FLOP ratio of the routing this run measured (routing counts of every step)
         patch = models["esft"].moe_lab_patch
         counts = patch.counts().double()
         trained = counts[:, :ESFT_EXPERTS].sum(1) / counts.sum(1)
         flops["esft"] = esft_flop_ratio(BENCH_CONFIG, trained.tolist())
-    sft = statistics.median(times["sft"])
+    sft, sft_cpu = statistics.median(times["sft"]), statistics.median(cpu_times["sft"])
     print(f"bench=methods config=olmoe-like(h256,E16,k4,L4) batch={BATCH}x{SEQ} steps={args.steps} "
           f"sft_step_median_s={sft:.4f}")
     for m in names:
-        print(f"method={m} step_ratio={statistics.median(times[m]) / sft:.3f} flop_ratio={flops[m]:.3f}")
+        print(f"method={m} step_ratio={statistics.median(times[m]) / sft:.3f} "
+              f"cpu_ratio={statistics.median(cpu_times[m]) / sft_cpu:.3f} flop_ratio={flops[m]:.3f}")
     for m in skipped:
         print(f"method={m} skipped=not-installed")
 
