@@ -22,7 +22,7 @@ from torch import nn
 from ..moe.experts import expert_intermediate_size
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
 from .calibration import Calibration
-from .grouping import GROUPINGS, group_experts, rank
+from .grouping import GROUPINGS, clustering_distance, group_experts, rank
 from .merge import SCALINGS, merge_coefficients, merge_group, scaling_coefficients
 from .scores import DOPT_METHODS, select_experts
 from .scores import scores as expert_scores
@@ -58,21 +58,26 @@ def check_choice(field: str, value: str, allowed) -> None:
         raise ValueError(f"compress.{field}={value!r}: choose one of {', '.join(allowed)}")
 
 
-def wc_features(view: MoELayerView):
-    """WC features of experts ``ids``: their flattened gate/up/down weights (biases excluded)."""
-    def features(ids: list[int]) -> torch.Tensor:
-        return torch.cat([view.gate_up_proj[ids].detach().reshape(len(ids), -1),
-                          view.down_proj[ids].detach().reshape(len(ids), -1)], dim=1)
-
-    return features
+def layer_distance(view: MoELayerView, stats: dict, grouping: str) -> torch.Tensor:
+    """The [E, E] clustering distance of ``grouping`` (wc: expert weights without biases; rc: router rows;
+    oc: calibration Gram) for one layer."""
+    return clustering_distance(grouping, router_weight=view.router_weight,
+                               expert_features=(view.gate_up_proj, view.down_proj), gram=stats.get("gram"))
 
 
 def plan_layer(view: MoELayerView, stats: dict, score: torch.Tensor, ranked: list[int], grouping: str,
-               scaling: str, cp: torch.Tensor | None = None) -> LayerPlan:
-    """Group the ranked selected experts of one layer, merge coefficients and alphas (spec 2.5-2.7)."""
+               scaling: str, cp: torch.Tensor | None = None, distances: dict | None = None) -> LayerPlan:
+    """Group the ranked selected experts of one layer, merge coefficients and alphas (spec 2.5-2.7).
+    ``distances``: a dict memoising the per-layer clustering distances across calls (sweeps)."""
     k = view.top_k
-    groups = group_experts(grouping, ranked, k, router_weight=view.router_weight.detach(),
-                           expert_features=wc_features(view), gram=stats.get("gram"))
+    distance = None
+    if grouping in ("wc", "rc", "oc"):
+        distances = {} if distances is None else distances
+        key = (view.index, grouping)
+        if key not in distances:
+            distances[key] = layer_distance(view, stats, grouping)
+        distance = distances[key]
+    groups = group_experts(grouping, ranked, k, router_weight=view.router_weight.detach(), distance=distance)
     coefficients = [merge_coefficients(score, g) for g in groups]
     alpha = scaling_coefficients(scaling, groups, score, k, cp=cp, routed_scaling=view.rule.scaling)
     return LayerPlan(view.index, list(ranked), groups, coefficients, alpha)
@@ -80,10 +85,12 @@ def plan_layer(view: MoELayerView, stats: dict, score: torch.Tensor, ranked: lis
 
 def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", grouping: str = "rr",
          scaling: str = "uniform", K: int | None = None, order: str = "score", lam="auto", seed: int = 0,
-         selection: dict | None = None, score_values: dict | None = None) -> dict[int, LayerPlan]:
+         selection: dict | None = None, score_values: dict | None = None,
+         distances: dict | None = None) -> dict[int, LayerPlan]:
     """A :class:`LayerPlan` per MoE layer. ``order``: ``score`` ranks the selected experts by score (the DO
     methods by their base importance), ``greedy`` keeps the D-optimal addition order. ``selection`` /
-    ``score_values`` pass precomputed ``select_experts`` / ``scores`` results (sweeps)."""
+    ``score_values`` pass precomputed ``select_experts`` / ``scores`` results, ``distances`` a dict that keeps
+    the clustering distances between calls (sweeps)."""
     views = find_moe_layers(model)
     k, E = views[0].top_k, views[0].num_experts
     K = k if K is None else int(K)
@@ -102,7 +109,7 @@ def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", g
         chosen = [int(e) for e in selection[view.index]]
         ranked = chosen if (order == "greedy" and score in DOPT_METHODS) else rank(s, chosen)
         plans[view.index] = plan_layer(view, calibration.layers[view.index], s, ranked, grouping, scaling,
-                                       cp.get(view.index))
+                                       cp.get(view.index), distances)
     return plans
 
 

@@ -8,7 +8,7 @@ group members keep the rank order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,14 +30,22 @@ def top_k(scores: torch.Tensor, K: int) -> list[int]:
     return rank(scores)[:K]
 
 
-def cosine_distance(features: torch.Tensor) -> torch.Tensor:
-    """``1 - cos(f_i, f_j)`` in fp64 for rows of ``features`` [n, d]; a zero row has cosine 0 to all."""
-    f = features.detach().double().reshape(len(features), -1)
-    norms = f.norm(dim=1)
-    f = f / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
-    cos = f @ f.T
-    cos.fill_diagonal_(1.0)
-    return (1.0 - cos).clamp_min(0.0)
+def feature_gram(*features: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """fp64 Gram matrix [n, n] of the rows of the concatenation of ``features`` (each [n, ...]), accumulated over
+    ``chunk`` columns at a time (WC features have 3*H*I columns per expert; nothing is concatenated)."""
+    n = len(features[0])
+    gram = torch.zeros(n, n, dtype=torch.float64, device=features[0].device)
+    for f in features:
+        f = f.detach().reshape(n, -1)
+        for start in range(0, f.shape[1], chunk):
+            part = f[:, start:start + chunk].double()
+            gram += part @ part.T
+    return gram
+
+
+def cosine_distance(*features: torch.Tensor) -> torch.Tensor:
+    """``1 - cos(f_i, f_j)`` (fp64) for the rows of (the concatenation of) ``features``; a zero row has cosine 0."""
+    return correlation_distance(feature_gram(*features)).clamp_min(0.0)
 
 
 def correlation_distance(gram: torch.Tensor) -> torch.Tensor:
@@ -110,12 +118,9 @@ def anchor_based(ranked: Sequence[int], k: int, router_weight: torch.Tensor) -> 
     return list(groups.values())
 
 
-def _clustered(distance_fn: Callable[[list[int]], torch.Tensor]):
-    def group(selected: Sequence[int], k: int) -> list[list[int]]:
-        ids = sorted(int(e) for e in selected)
-        return agglomerative(distance_fn(ids), k, labels=ids)
-
-    return group
+def _clustered(distance: torch.Tensor, selected: Sequence[int], k: int) -> list[list[int]]:
+    ids = sorted(int(e) for e in selected)
+    return agglomerative(distance[ids][:, ids], k, labels=ids)
 
 
 def group_experts(
@@ -124,13 +129,15 @@ def group_experts(
     k: int,
     *,
     router_weight: torch.Tensor | None = None,
-    expert_features: Callable[[list[int]], torch.Tensor] | None = None,
+    expert_features: torch.Tensor | Sequence[torch.Tensor] | None = None,
     gram: torch.Tensor | None = None,
+    distance: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """Partition the ranked selected experts into ``k`` groups by ``method`` (rr | wc | rc | ab | oc).
 
     ranked: selected expert ids, best first (RR order, AB anchors, group order). router_weight [E, H]: RC/AB.
-    expert_features(ids) -> [len(ids), d]: WC's flattened (gate, up, down) weights. gram [E, E]: OC.
+    expert_features [E, ...] (or several, concatenated per expert): WC's (gate, up, down) weights. gram [E, E]: OC. distance [E, E]: the clustering
+    distance of wc / rc / oc precomputed over all experts (see :func:`clustering_distance`).
     """
     selected = [int(e) for e in ranked]
     if len(set(selected)) != len(selected):
@@ -141,18 +148,29 @@ def group_experts(
         groups = round_robin(selected, k)
     elif method == "ab":
         groups = anchor_based(selected, k, _need(router_weight, "router_weight", method))
-    elif method == "rc":
-        rw = _need(router_weight, "router_weight", method)
-        groups = _clustered(lambda ids: cosine_distance(rw[ids]))(selected, k)
-    elif method == "wc":
-        feats = _need(expert_features, "expert_features", method)
-        groups = _clustered(lambda ids: cosine_distance(feats(ids)))(selected, k)
-    elif method == "oc":
-        g = _need(gram, "gram", method)
-        groups = _clustered(lambda ids: correlation_distance(g[ids][:, ids]))(selected, k)
+    elif method in ("wc", "rc", "oc"):
+        if distance is None:
+            distance = clustering_distance(method, router_weight=router_weight, expert_features=expert_features,
+                                           gram=gram)
+        groups = _clustered(distance, selected, k)
     else:
         raise ValueError(f"compress.grouping={method!r}: choose one of {', '.join(GROUPINGS)}")
     return _order(groups, selected)
+
+
+def clustering_distance(method: str, *, router_weight: torch.Tensor | None = None,
+                        expert_features: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                        gram: torch.Tensor | None = None) -> torch.Tensor:
+    """The [E, E] distance that wc (weight cosine), rc (router-row cosine) or oc (output correlation) clusters;
+    a subset's distances are its submatrix, so one matrix per layer serves every K and score."""
+    if method == "wc":
+        feats = _need(expert_features, "expert_features", method)
+        return cosine_distance(*(feats if isinstance(feats, (tuple, list)) else (feats,)))
+    if method == "rc":
+        return cosine_distance(_need(router_weight, "router_weight", method))
+    if method == "oc":
+        return correlation_distance(_need(gram, "gram", method))
+    raise ValueError(f"grouping {method!r} is not a clustering (wc | rc | oc)")
 
 
 def _need(value, name: str, method: str):

@@ -68,7 +68,7 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
         check_choice("grouping", g, GROUPINGS)
     for s in scalings:
         check_choice("scaling", s, SCALINGS)
-    rows = []
+    rows, distances = [], {}
     for score in scores:
         score_values = expert_scores(calibration, score, seed=seed)
         for K in Ks:
@@ -84,7 +84,7 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
                         try:
                             plans = plan(model, calibration, score=score, grouping=grouping, scaling=scaling,
                                          K=K, order=order, lam=lam, seed=seed, selection=selection,
-                                         score_values=score_values)
+                                         score_values=score_values, distances=distances)
                             builder.write(plans)
                             point.update(ppl_point(builder.student, tokenizer, ids, max_length, stride, batch_size))
                         except (ValueError, RuntimeError, ArithmeticError) as err:

@@ -13,8 +13,10 @@ from scipy.spatial.distance import squareform
 from moe_lab.compress.grouping import (
     GROUPINGS,
     agglomerative,
+    clustering_distance,
     correlation_distance,
     cosine_distance,
+    feature_gram,
     group_experts,
     rank,
     top_k,
@@ -106,7 +108,7 @@ def _inputs(E=10, H=6, seed=0):
     router = torch.randn(E, H, generator=gen)
     weights = torch.randn(E, 40, generator=gen)
     out = torch.randn(E, 30, generator=gen, dtype=torch.float64)
-    return {"router_weight": router, "expert_features": lambda ids: weights[ids], "gram": out @ out.T}
+    return {"router_weight": router, "expert_features": weights, "gram": out @ out.T}
 
 
 def test_every_grouping_returns_k_groups_and_singletons_at_K_equal_k():
@@ -129,6 +131,20 @@ def test_grouping_errors_name_the_fix():
         group_experts("xx", [0, 1, 2], 2)
     with pytest.raises(ValueError, match="needs gram"):
         group_experts("oc", [0, 1, 2], 2)
+
+
+def test_feature_gram_chunks_and_concatenation_against_a_direct_product():
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 5, 7, generator=gen), torch.randn(6, 3, generator=gen)
+    direct = torch.cat([a.reshape(6, -1), b], dim=1).double()
+    assert torch.allclose(feature_gram(a, b, chunk=4), direct @ direct.T, rtol=1e-12, atol=1e-12)
+    cos = torch.nn.functional.cosine_similarity(direct[:, None], direct[None], dim=-1)
+    assert torch.allclose(cosine_distance(a, b), 1 - cos, rtol=0, atol=1e-12)
+    # a subset's clustering uses the submatrix of the full distance: the same as clustering the subset alone
+    ids = [5, 1, 3, 0]
+    full = clustering_distance("wc", expert_features=(a, b))
+    alone = agglomerative(cosine_distance(a[sorted(ids)], b[sorted(ids)]), 2, labels=sorted(ids))
+    assert _partition(group_experts("wc", ids, 2, distance=full)) == _partition(alone)
 
 
 def test_cosine_distance_zero_row():
