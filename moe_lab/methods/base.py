@@ -9,6 +9,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from torchmetrics.aggregation import MeanMetric
 
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
@@ -18,6 +19,18 @@ from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
 
 log = logging.getLogger(__name__)
+
+
+class ExpMeanMetric(MeanMetric):
+    """``exp`` of a weighted mean: perplexity from per-batch mean NLLs weighted by their token counts."""
+
+    def compute(self) -> torch.Tensor:
+        return super().compute().exp()
+
+
+def supervised_tokens(batch) -> torch.Tensor:
+    """Tokens the causal-LM loss averages over: labels after the one-token shift that are not -100."""
+    return (batch["labels"][..., 1:] != -100).sum()
 
 
 def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_decay: float) -> None:
@@ -80,6 +93,8 @@ class MoELightningModule(L.LightningModule):
                               **(_plain(scheduler) or {})}
         if gradient_checkpointing:
             model.activation_checkpointing_enable()
+        # val/loss and val/ppl: token-weighted over all batches and ranks (torchmetrics syncs at epoch end)
+        self.val_loss_metric, self.val_ppl_metric = MeanMetric(), ExpMeanMetric()
         self.save_hyperparameters({  # plain containers only: checkpoints load with weights_only=True
             "name": name or method, "method": method, "options": _plain(options) or {},
             "aux_loss_coef": aux_loss_coef, "optim": self.optim, "scheduler": self.scheduler_cfg,
@@ -130,8 +145,10 @@ class MoELightningModule(L.LightningModule):
             loss = loss + self.aux_loss_coef * aux
         on_step = stage == "train"
         batch_size = batch["input_ids"].shape[0]
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=not on_step, prog_bar=True,
-                 sync_dist=not on_step, batch_size=batch_size)
+        if on_step:
+            self.log(f"{stage}/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+        else:
+            self._log_val_loss(loss.detach(), supervised_tokens(batch))
         if aux is not None and torch.is_tensor(aux):
             self.log(f"{stage}/aux_loss", aux.detach(), on_step=on_step, on_epoch=not on_step,
                      sync_dist=not on_step, batch_size=batch_size)
@@ -139,6 +156,12 @@ class MoELightningModule(L.LightningModule):
             self.log("train/tokens", mask.sum().float(), on_step=True, reduce_fx="sum",
                      batch_size=batch_size)
         return loss
+
+    def _log_val_loss(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
+        value = torch.where(tokens > 0, loss.float(), 0.0)  # a batch without labels weighs 0
+        for name, metric in (("val/loss", self.val_loss_metric), ("val/ppl", self.val_ppl_metric)):
+            metric.update(value, weight=tokens.float())
+            self.log(name, metric, on_step=False, on_epoch=True, prog_bar=name == "val/loss")
 
     def training_step(self, batch, batch_idx):
         return self._step(batch, "train")
