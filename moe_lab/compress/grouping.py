@@ -69,7 +69,7 @@ def agglomerative(distance: torch.Tensor, k: int, labels: Sequence[int] | None =
     labels = list(range(n)) if labels is None else [int(x) for x in labels]
     if not 1 <= k <= n:
         raise ValueError(f"cannot form k={k} clusters from {n} items")
-    d = distance.detach().double().clone()
+    d = distance.detach().double().cpu().clone()
     d = (d + d.T) / 2
     members = {i: [labels[i]] for i in range(n)}
     active = torch.ones(n, dtype=torch.bool)

@@ -54,10 +54,15 @@ def _masked_router_logits(model, removed: dict[int, list[int]]):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_keep_all_same_top_k_is_the_identity(family, tmp_path):
+def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_path):
     teacher, calibration = _teacher(family)
     pruned = prune_experts(teacher, calibration, keep=8, top_k=teacher.config.num_experts_per_tok)
     assert torch.equal(_logits(pruned), _logits(teacher))
+    pruned = prune_experts(teacher, calibration, keep=6, group_balanced=True)  # 3 per group for DeepSeek-V3
+    export_compressed(pruned, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(_logits(reloaded), _logits(pruned))
+    assert [v.num_experts for v in find_moe_layers(reloaded)] == [6] * len(find_moe_layers(teacher))
 
 
 # softmax-router families and GPT-OSS: slicing == masking the removed logits (DeepSeek-V3's sigmoid scores and
