@@ -1,0 +1,136 @@
+"""Token-level distillation losses (spec compression.md 2.9), computed in fp32 and chunked over tokens.
+
+``kd_loss`` works on logits; ``chunked_head_kd`` takes the final hidden states of both models and applies
+each ``lm_head`` per chunk of tokens, under activation checkpointing for the student, so full-vocabulary fp32
+logits of the whole batch never exist (at most one chunk of each model at a time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kd loss kind={kind!r}: choose one of {', '.join(KINDS)} (method.options.loss)")
+
+
+def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "forward_kl",
+                     temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
+    """Per-token divergence [N] between softmax(logits / tau) of teacher and student, times tau^2, in fp32.
+
+    forward_kl: KL(p_T || p_S); reverse_kl: KL(p_S || p_T); jsd: generalised JSD with mixture
+    m = beta p_T + (1 - beta) p_S: beta KL(p_T || m) + (1 - beta) KL(p_S || m).
+    """
+    check_kind(kind)
+    if student_logits.shape[-1] != teacher_logits.shape[-1]:
+        raise ValueError(f"student vocabulary {student_logits.shape[-1]} != teacher vocabulary "
+                         f"{teacher_logits.shape[-1]}: distillation on logits needs one shared vocabulary")
+    tau = float(temperature)
+    log_s = F.log_softmax(student_logits.float() / tau, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / tau, dim=-1)
+    if kind == "forward_kl":
+        out = F.kl_div(log_s, log_t, reduction="none", log_target=True).sum(-1)
+    elif kind == "reverse_kl":
+        out = F.kl_div(log_t, log_s, reduction="none", log_target=True).sum(-1)
+    else:
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"jsd beta={beta} must be in (0, 1) (method.options.beta)")
+        log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1.0 - beta))
+        out = (beta * F.kl_div(log_m, log_t, reduction="none", log_target=True).sum(-1)
+               + (1.0 - beta) * F.kl_div(log_m, log_s, reduction="none", log_target=True).sum(-1))
+    return out * (tau * tau)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _mask(mask, n: int, device) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
+    mask = mask.reshape(-1).to(device).bool()
+    if mask.numel() != n:
+        raise ValueError(f"mask has {mask.numel()} entries for {n} tokens")
+    return mask
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "forward_kl",
+            temperature: float = 1.0, mask: torch.Tensor | None = None, chunk_size: int | None = None,
+            beta: float = 0.5, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Mean per-token divergence over real tokens (``mask`` 1), a scalar.
+
+    ``normalizer``: divide the token sum by it instead of the mask's count (e.g. the real-token count of the
+    whole accumulated global batch). ``chunk_size``: tokens per chunk (fp32 log-softmax of one chunk at a time).
+    """
+    s, t = _flat(student_logits), _flat(teacher_logits)
+    keep = _mask(mask, s.shape[0], s.device)
+    step = chunk_size or s.shape[0]
+    total = s.new_zeros((), dtype=torch.float32)
+    for i in range(0, s.shape[0], step):
+        m = keep[i:i + step]
+        total = total + token_divergence(s[i:i + step][m], t[i:i + step][m], kind, temperature, beta).sum()
+    return total / (keep.sum() if normalizer is None else normalizer)
+
+
+def _chunk_loss(h_s, h_t, keep, student_head, teacher_head, kind, temperature, beta, labels):
+    logits_s = student_head(h_s)
+    with torch.no_grad():
+        logits_t = teacher_head(h_t)
+    div = token_divergence(logits_s[keep], logits_t[keep], kind, temperature, beta).sum()
+    top1 = (logits_s.detach()[keep].argmax(-1) == logits_t[keep].argmax(-1)).sum()
+    ce = logits_s.new_zeros((), dtype=torch.float32)
+    if labels is not None:
+        ce = F.cross_entropy(logits_s.float(), labels, ignore_index=-100, reduction="sum")
+    return div, ce, top1
+
+
+def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,
+                    kind: str = "forward_kl", temperature: float = 1.0, mask: torch.Tensor | None = None,
+                    chunk_size: int | None = 1024, beta: float = 0.5, labels: torch.Tensor | None = None):
+    """Token SUMS ``(divergence, cross-entropy, top-1 matches)`` from final hidden states, chunked.
+
+    Each chunk applies both heads, computes the fp32 loss and drops the logits; the student's chunk is
+    checkpointed (its logits are recomputed in backward). ``labels`` (already aligned with positions, -100 =
+    ignored) add the student's cross-entropy sum; otherwise the CE sum is 0.
+    """
+    hs, ht = _flat(student_hidden), _flat(teacher_hidden)
+    keep = _mask(mask, hs.shape[0], hs.device)
+    flat_labels = None if labels is None else labels.reshape(-1)
+    step = chunk_size or hs.shape[0]
+    div = hs.new_zeros((), dtype=torch.float32)
+    ce = hs.new_zeros((), dtype=torch.float32)
+    top1 = torch.zeros((), dtype=torch.long, device=hs.device)
+    for i in range(0, hs.shape[0], step):
+        args = (hs[i:i + step], ht[i:i + step], keep[i:i + step], student_head, teacher_head, kind, temperature,
+                beta, None if flat_labels is None else flat_labels[i:i + step])
+        if torch.is_grad_enabled() and hs.requires_grad:
+            d, c, t = checkpoint(_chunk_loss, *args, use_reentrant=False)
+        else:
+            d, c, t = _chunk_loss(*args)
+        div, ce, top1 = div + d, ce + c, top1 + t
+    return div, ce, top1
+
+
+def hidden_mse_sum(student_states: list[torch.Tensor], teacher_states: list[torch.Tensor],
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over layers and real tokens of the per-token mean squared error over hidden units (fp32)."""
+    if len(student_states) != len(teacher_states):
+        raise ValueError(f"hidden MSE: student has {len(student_states)} decoder layers, teacher "
+                         f"{len(teacher_states)}: fkl_hidden needs equal layer counts (use loss=forward_kl)")
+    total = None
+    for layer, (s, t) in enumerate(zip(student_states, teacher_states)):
+        if s.shape[-1] != t.shape[-1]:
+            raise ValueError(f"hidden MSE at layer {layer}: student hidden size {s.shape[-1]} != teacher "
+                             f"{t.shape[-1]}: fkl_hidden needs equal hidden sizes (use loss=forward_kl)")
+        s, t = _flat(s).float(), _flat(t).float()
+        keep = _mask(mask, s.shape[0], s.device)
+        term = ((s[keep] - t[keep]) ** 2).mean(-1).sum()
+        total = term if total is None else total + term
+    return total

@@ -1,0 +1,254 @@
+"""method=kd: knowledge distillation of the run's model (the student) from a frozen teacher (spec 2.9).
+
+Loss (token sums, then one normalisation): ``kd_ratio * D(teacher, student) + hidden_weight * MSE_hidden +
+(1 - kd_ratio) * CE(labels)``, divided by the number of real tokens of the WHOLE global batch. The global count
+is known only once the accumulation window has been seen: each micro-batch returns its token SUM (Lightning
+divides it by accumulate_grad_batches A), and just before the optimizer step (before gradient clipping) the
+accumulated gradients are multiplied by A * world_size / N, N = real tokens of every micro-batch of the
+window on every rank (all-reduced). Mathematically identical to one large batch, whatever the token counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import lightning as L
+import torch
+
+from ..data.packing import model_inputs, real_token_mask
+from ..distill.losses import chunked_head_kd, hidden_mse_sum
+from ..distill.teacher import WEIGHT_RULES, load_teacher, widen_teacher
+from ..plain import to_plain as _plain
+from .base import MoELightningModule
+from .precision import check_mode
+
+log = logging.getLogger(__name__)
+
+LOSSES = {"forward_kl": "forward_kl", "fkl": "forward_kl", "reverse_kl": "reverse_kl", "rkl": "reverse_kl",
+          "jsd": "jsd", "fkl_hidden": "forward_kl"}
+DEFAULTS = {"loss": "forward_kl", "temperature": 1.0, "beta": 0.5, "hidden_weight": 1.0, "kd_ratio": 1.0,
+            "chunk_size": 1024, "teacher_top_k": None, "teacher_weight_rule": "family"}
+
+
+class _DensePatch:
+    """What MoELightningModule needs of a patch, for a student without MoE layers (e.g. a to_dense result)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.expert_slice_masks: dict = {}
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def real_tokens(self, mask):
+        yield
+
+    @property
+    def context(self):
+        return self
+
+    def export(self, path, tokenizer=None):
+        from ..compress.dense import export_compressed
+
+        return export_compressed(self.model, path, tokenizer)
+
+
+def _has_moe(model) -> bool:
+    from ..moe.registry import family_spec
+
+    try:
+        family_spec(model.config.model_type)
+    except (KeyError, ValueError):
+        return False
+    return any(type(m).__name__ == family_spec(model.config.model_type).block_class for m in model.modules())
+
+
+def decoder_layers(model) -> list:
+    return list(model.base_model.layers)
+
+
+class _Recorder:
+    """Forward hooks keeping each decoder layer's residual-stream output."""
+
+    def __init__(self, model, active: bool):
+        self.states: list[torch.Tensor] = []
+        self.handles = [layer.register_forward_hook(self._keep) for layer in decoder_layers(model)] if active else []
+
+    def _keep(self, module, args, output):
+        self.states.append(output[0] if isinstance(output, tuple) else output)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+class KDModule(MoELightningModule):
+    """Distil ``model`` (student, all parameters trainable) from ``teacher`` (frozen, eval, no gradients).
+
+    ``teacher``: a loaded module, a ``conf/model`` entry or a checkpoint path. ``options``: loss
+    (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight (fkl_hidden),
+    kd_ratio (weight of the KD term; 1 - kd_ratio on the student's CE on labels), chunk_size (tokens per
+    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw).
+    """
+
+    def __init__(self, model, teacher=None, options: dict | None = None, optim: dict | None = None,
+                 scheduler: dict | None = None, gradient_checkpointing: bool = False, name: str = "kd",
+                 method: str = "sft", master_weights: str = "fp32", lora: dict | None = None):
+        opts = _plain(options) or {}
+        unknown = sorted(set(opts) - set(DEFAULTS))
+        if unknown:
+            raise TypeError(f"method.options: unknown option(s) {unknown}; kd accepts {sorted(DEFAULTS)}")
+        self.kd = {**DEFAULTS, **opts}
+        if self.kd["loss"] not in LOSSES:
+            raise ValueError(f"method.options.loss={self.kd['loss']!r}: choose one of {', '.join(LOSSES)}")
+        if self.kd["teacher_weight_rule"] not in WEIGHT_RULES:
+            raise ValueError(f"method.options.teacher_weight_rule={self.kd['teacher_weight_rule']!r}: choose "
+                             f"{' or '.join(WEIGHT_RULES)}")
+        if not 0.0 <= float(self.kd["kd_ratio"]) <= 1.0:
+            raise ValueError(f"method.options.kd_ratio={self.kd['kd_ratio']} must be in [0, 1]")
+        if _has_moe(model):
+            super().__init__(model, method=method, options=None, aux_loss_coef=0.0, optim=optim,
+                             scheduler=scheduler, gradient_checkpointing=gradient_checkpointing, name=name,
+                             lora=lora, master_weights=master_weights)
+        else:  # a dense student: the base module's state without moe-lab blocks
+            if lora:
+                raise ValueError("method.lora with a dense student is not supported by method=kd")
+            L.LightningModule.__init__(self)
+            self.model, self.method, self.patch = model, method, _DensePatch(model)
+            self.aux_loss_coef, self._moe_lab_adds_aux = 0.0, False
+            self.master_weights = check_mode(master_weights)
+            self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
+            self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
+                                  **(_plain(scheduler) or {})}
+            if gradient_checkpointing:
+                model.gradient_checkpointing_enable()
+            self.save_hyperparameters({"name": name, "method": method, "options": dict(self.kd),
+                                       "optim": self.optim, "scheduler": self.scheduler_cfg,
+                                       "gradient_checkpointing": gradient_checkpointing,
+                                       "master_weights": master_weights})
+        self._teacher = [load_teacher(teacher)]  # a list: not a submodule (never trained, never checkpointed)
+        self.teacher_patch = None
+        if self.kd["teacher_top_k"] is not None:
+            self.teacher_patch = widen_teacher(self.teacher, int(self.kd["teacher_top_k"]),
+                                               self.kd["teacher_weight_rule"])
+        self._check_pair()
+        self._window_sum = 0.0
+        self._window_tokens = 0
+        self.last_finite_loss = None
+        self.kd_stats: dict[str, float] = {}
+
+    @property
+    def teacher(self):
+        return self._teacher[0]
+
+    @property
+    def kind(self) -> str:
+        return LOSSES[self.kd["loss"]]
+
+    @property
+    def uses_hidden(self) -> bool:
+        return self.kd["loss"] == "fkl_hidden"
+
+    def _check_pair(self) -> None:
+        vs = self.model.get_output_embeddings().weight.shape[0]
+        vt = self.teacher.get_output_embeddings().weight.shape[0]
+        if vs != vt:
+            raise ValueError(f"student vocabulary {vs} != teacher vocabulary {vt} (method.teacher): logit "
+                             "distillation needs the same tokenizer and vocabulary")
+        if self.uses_hidden:
+            hs, ht = self.model.config.hidden_size, self.teacher.config.hidden_size
+            ls, lt = len(decoder_layers(self.model)), len(decoder_layers(self.teacher))
+            if hs != ht or ls != lt:
+                raise ValueError(f"method.options.loss=fkl_hidden: student hidden size {hs} / {ls} layers vs "
+                                 f"teacher {ht} / {lt} layers; hidden MSE needs equal sizes (use forward_kl)")
+
+    def configure_callbacks(self):
+        from ..callbacks.kd import KDMetrics
+
+        return [KDMetrics()]
+
+    def _move_teacher(self) -> None:
+        if next(self.teacher.parameters()).device != self.device:
+            self.teacher.to(self.device)
+        self.teacher.eval()
+
+    def on_fit_start(self):
+        super().on_fit_start()
+        self._move_teacher()
+
+    def on_validation_start(self):
+        self._move_teacher()
+
+    # the loss ------------------------------------------------------------------------------------------
+    def kd_sums(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Token sums of one micro-batch: ``loss`` (to be divided by the global token count), ``div``,
+        ``kl`` (forward KL at tau = 1, monitoring), ``top1`` matches, ``hidden`` MSE, ``ce``, ``tokens``."""
+        mask = real_token_mask(batch).bool()
+        inputs = model_inputs(batch)
+        labels = inputs.pop("labels", None)
+        hidden = self.uses_hidden
+        with torch.no_grad(), _Recorder(self.teacher, hidden) as rec_t:
+            t_out = self.teacher.base_model(**inputs)
+        with self.patch.context.real_tokens(mask), _Recorder(self.model, hidden) as rec_s:
+            s_out = self.model.base_model(**inputs)
+        ratio = float(self.kd["kd_ratio"])
+        shifted = None
+        if ratio < 1.0 and labels is not None:
+            shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        div, ce, top1 = chunked_head_kd(
+            s_out.last_hidden_state, t_out.last_hidden_state, self.model.get_output_embeddings(),
+            self.teacher.get_output_embeddings(), kind=self.kind, temperature=float(self.kd["temperature"]),
+            mask=mask, chunk_size=self.kd["chunk_size"], beta=float(self.kd["beta"]), labels=shifted)
+        loss = ratio * div + (1.0 - ratio) * ce
+        out = {"div": div.detach(), "top1": top1, "tokens": mask.sum(), "ce": ce.detach()}
+        if hidden:
+            mse = hidden_mse_sum(rec_s.states, rec_t.states, mask)
+            loss = loss + float(self.kd["hidden_weight"]) * mse
+            out["hidden"] = mse.detach()
+        out["loss"] = loss
+        if self.kind == "forward_kl" and float(self.kd["temperature"]) == 1.0:
+            out["kl"] = out["div"]
+        return out
+
+    def _step(self, batch, stage: str):
+        sums = self.kd_sums(batch)
+        n = sums["tokens"].clamp(min=1).float()
+        self.kd_stats = {k: (v.float() / n).item() for k, v in sums.items() if k not in ("loss", "tokens")}
+        if stage == "train":
+            self._window_sum += float(sums["loss"].detach())
+            self._window_tokens += int(sums["tokens"])
+            return sums["loss"]
+        self.log("val/loss", sums["loss"].detach() / n, on_epoch=True, sync_dist=True,
+                 batch_size=batch["input_ids"].shape[0])
+        return sums["loss"] / n
+
+    def on_before_optimizer_step(self, optimizer):
+        """Normalise the accumulated gradients by the global real-token count; stop on a non-finite loss."""
+        trainer = self.trainer
+        stats = torch.tensor([self._window_sum, float(self._window_tokens)], dtype=torch.float64,
+                             device=self.device)
+        stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        total, tokens = float(stats[0]), max(float(stats[1]), 1.0)
+        self._window_sum, self._window_tokens = 0.0, 0
+        loss = total / tokens
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"method=kd: non-finite distillation loss {loss} at optimizer step {trainer.global_step + 1}; "
+                f"last finite loss {self.last_finite_loss} (the last checkpoint was kept; lower the learning "
+                "rate or check the teacher's logits)")
+        self.last_finite_loss = loss
+        factor = trainer.accumulate_grad_batches * trainer.world_size / tokens
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=1)
+        self.log("train/tokens", tokens, on_step=True, batch_size=1)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint.setdefault("moe_lab_kd", {})["last_finite_loss"] = self.last_finite_loss
