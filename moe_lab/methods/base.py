@@ -14,6 +14,7 @@ from torchmetrics.aggregation import MeanMetric
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
+from ..strategies import optimizer_stepped
 from .precision import apply_master_weights, check_mode
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
@@ -172,7 +173,8 @@ class MoELightningModule(L.LightningModule):
     def optimizer_step(self, *args, **kwargs):
         """One optimizer step, then the method's per-step hooks (e.g. router-bias updates)."""
         super().optimizer_step(*args, **kwargs)
-        self.patch.after_optimizer_step()
+        if optimizer_stepped(self._trainer):  # DeepSpeed: Lightning calls this on every micro-batch
+            self.patch.after_optimizer_step()
 
     def configure_optimizers(self):
         sliced = {id(p) for p, _ in self.patch.expert_slice_masks.values()}

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
+from ..strategies import build_strategy, prepare
 from .checkpoint_io import AtomicCheckpointIO, CheckpointOnSignal, check_matches, read_checkpoint
 from .resume import History, pin_wandb_run, resume_checkpoint
 
@@ -41,9 +42,7 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     """A Trainer from the hardware group's trainer settings and the task's loop settings."""
     trainer_kwargs = {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
                       **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
-    strategy = trainer_kwargs.pop("strategy", "auto")
-    if isinstance(strategy, dict):
-        strategy = instantiate(strategy)
+    strategy = build_strategy(trainer_kwargs)
     # a run shorter than log_every_n_steps still logs its loss (and gets a loss curve)
     if trainer_kwargs.get("max_steps", -1) > 0:
         trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50),
@@ -113,6 +112,7 @@ def finetune(cfg: DictConfig) -> dict:
         callbacks.append(clock)
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
     trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg)])
+    prepare(trainer, module)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     except SIGTERMException:
