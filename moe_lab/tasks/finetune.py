@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Pr
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from .. import slurm
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
@@ -52,7 +53,7 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
                                  every_n_train_steps=cfg.task.checkpoint_every_n_steps)
     return L.Trainer(
         default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint],
-        strategy=strategy, plugins=[AtomicCheckpointIO()], **trainer_kwargs,
+        strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
     )
 
 
@@ -90,6 +91,7 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``."""
     out = Path(cfg.paths.output_dir)
+    slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
@@ -111,6 +113,7 @@ def finetune(cfg: DictConfig) -> dict:
         clock = ProgressLog(quiet=True)
         callbacks.append(clock)
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
+    requeue = slurm.SubmititRequeue()
     trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg)])
     prepare(trainer, module)
     try:
@@ -133,6 +136,7 @@ def finetune(cfg: DictConfig) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(summary_block(summary, out), flush=True)
     if interrupted:
+        requeue(on_signal.signum)  # in a submitit SLURM job, SIGUSR1/2: submitit requeues and exits
         raise RunInterrupted(128 + int(on_signal.signum or signal.SIGINT))
     return summary
 
