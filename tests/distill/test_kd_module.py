@@ -1,0 +1,113 @@
+"""method=kd: the Lightning objective against independent computations (HF logits + kd_loss), global-batch
+normalisation under gradient accumulation, NaN stop, bad pairs named."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from moe_lab.distill import kd_loss
+from moe_lab.methods.distill import KDModule
+from tests.conftest import build_tiny, random_batch
+
+
+def _rows(batch):
+    return [{k: v[i] for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+
+
+def _loader(batch, batch_size):
+    return DataLoader(_rows(batch), batch_size=batch_size, shuffle=False)
+
+
+def _trainer(**kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+class _GradGrab(L.Callback):
+    def __init__(self):
+        self.grads = None
+
+    def on_train_start(self, trainer, pl_module):
+        def grab(opt, args, kwargs):
+            if self.grads is None:
+                self.grads = {n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+        trainer.optimizers[0].register_step_post_hook(grab)  # the closure (backward) runs inside step
+
+
+def _module(**options):
+    return KDModule(build_tiny("qwen3_moe", seed=1), teacher=build_tiny("qwen3_moe", seed=0),
+                    options={"chunk_size": 7, **options}, optim={"lr": 1e-3})
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+def test_token_sums_match_hf_logits(loss):
+    module = _module(loss=loss, temperature=2.0)
+    batch = random_batch()
+    sums = module.kd_sums(batch)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        ref = kd_loss(module.model(**inputs).logits, module.teacher(**inputs).logits, kind=loss, temperature=2.0,
+                      mask=batch["attention_mask"], normalizer=1.0)
+    # sums of 22 per-token fp32 values ~1: 22 * 1.2e-7 plus the two paths' matmul rounding
+    assert torch.allclose(sums["div"], ref, rtol=1e-5, atol=1e-5)
+    assert int(sums["tokens"]) == int(batch["attention_mask"].sum())
+
+
+def test_accumulation_2x1_equals_1x2_with_unequal_token_counts():
+    batch = random_batch(batch=2, seq=10, pad_rows=((1, 6),))  # 10 and 4 real tokens
+    grads = []
+    for micro, accumulate in ((2, 1), (1, 2)):
+        torch.manual_seed(0)
+        module = _module()
+        grab = _GradGrab()
+        _trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[grab]).fit(
+            module, train_dataloaders=_loader(batch, micro))
+        grads.append(grab.grads)
+    # one large batch, computed by hand: d/dtheta of (sum of per-token KL) / 14
+    module = _module()
+    module.kd_sums(batch)["loss"].div(14).backward()
+    hand = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    assert set(grads[0]) == set(grads[1]) == set(hand)
+    for name, ref in hand.items():
+        # fp32 sums over <= 14 tokens reordered: relative error ~ 14 * 1.2e-7 of the largest entry, x 5 margin
+        scale = ref.abs().max().item() + 1e-12
+        assert torch.allclose(grads[0][name], ref, rtol=0, atol=1e-5 * scale), name
+        assert torch.allclose(grads[1][name], ref, rtol=0, atol=1e-5 * scale), name
+
+
+def test_nan_stops_with_step_and_last_finite_loss():
+    class Poison(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                with torch.no_grad():
+                    pl_module.model.lm_head.weight.fill_(float("nan"))
+
+    module = _module()
+    with pytest.raises(FloatingPointError, match=r"at optimizer step 2; last finite loss \d"):
+        _trainer(max_steps=3, callbacks=[Poison()]).fit(module, train_dataloaders=_loader(random_batch(), 1))
+    assert module.last_finite_loss is not None
+
+
+def test_bad_pairs_are_named():
+    with pytest.raises(ValueError, match="student vocabulary 384 != teacher vocabulary 400"):
+        KDModule(build_tiny("qwen3_moe"), teacher=build_tiny("qwen3_moe", vocab_size=400))
+    with pytest.raises(ValueError, match="student hidden size 64 / 3 layers vs teacher 64 / 4 layers"):
+        KDModule(build_tiny("qwen3_moe"), teacher=build_tiny("qwen3_moe", num_hidden_layers=4),
+                 options={"loss": "fkl_hidden"})
+    with pytest.raises(ValueError, match="method.teacher is not set"):
+        KDModule(build_tiny("qwen3_moe"))
+    with pytest.raises(TypeError, match="unknown option"):
+        KDModule(build_tiny("qwen3_moe"), teacher=build_tiny("qwen3_moe"), options={"tau": 2})
+
+
+def test_hidden_mse_term_and_identical_student_is_zero():
+    teacher = build_tiny("qwen3_moe", seed=0)
+    module = KDModule(build_tiny("qwen3_moe", seed=0), teacher=teacher, options={"loss": "fkl_hidden"})
+    sums = module.kd_sums(random_batch())
+    assert float(sums["div"]) == pytest.approx(0, abs=1e-5) and float(sums["hidden"]) == pytest.approx(0, abs=1e-8)
+    other = KDModule(build_tiny("qwen3_moe", seed=1), teacher=teacher, options={"loss": "fkl_hidden"})
+    sums = other.kd_sums(random_batch())
+    assert float(sums["hidden"]) > 0 and torch.allclose(sums["loss"], sums["div"] + sums["hidden"])
