@@ -1,7 +1,7 @@
 """Per-step cost of every method relative to conventional SFT, next to its analytic FLOP ratio.
 
 One line per method: ``method=<name> step_ratio=<median step / median sft step> cpu_ratio=<the same in
-this process's CPU time> flop_ratio=<analytic>``. On a shared machine cpu_ratio with ``--threads 1`` is the
+this process's CPU time> flop_ratio=<analytic, matmuls only>``. On a shared machine cpu_ratio with ``--threads 1`` is the
 robust one (wall time there mostly measures waiting for a core).
 Bench config: OLMoE-like, hidden 256, 16 experts top-4, 4 layers, batch 8 x 256 tokens; AdamW steps of
 all methods are interleaved round-robin and medians compared, so machine noise hits all alike.
@@ -78,17 +78,19 @@ def flop_ratios(cfg: dict) -> dict[str, float]:
 def esft_flop_ratio(cfg: dict, trained_fraction: list[float]) -> float:
     """ESFT step FLOPs / SFT's, matmuls only. ``trained_fraction[l]``: share of layer l's routed (token,
     expert) pairs that go to trained experts (the rest cost no weight gradient). Everything but the
-    selected experts is frozen: lm_head, routers and attention need input gradients only (2 x), and
-    below layer 0's experts nothing needs a gradient (its attention and router: 1 x; its experts: forward
-    + weight gradients, no input gradient)."""
+    selected experts is frozen: lm_head, routers and attention projections need input gradients only (2 x;
+    attention scores, which have no weights, 3 x as in SFT), and below layer 0's experts nothing needs a
+    gradient (its attention and router: 1 x; its experts: forward + weight gradients, no input gradient)."""
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     e, k, vocab = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
-    attn, expert, router, head = 2 * 4 * h * h + 2 * 2 * SEQ * h, 2 * 3 * h * i, 2 * h * e, 2 * h * vocab
-    sft = 3 * (layers * (attn + router) + head + layers * k * expert)
+    proj, scores, router = 2 * 4 * h * h, 2 * 2 * SEQ * h, 2 * h * e
+    expert, head = 2 * 3 * h * i, 2 * h * vocab
+    sft = 3 * (layers * (proj + scores + router) + head + layers * k * expert)
     esft = 2 * head
     for layer, fraction in enumerate(trained_fraction):
         first = layer == 0
-        esft += (1 if first else 2) * (attn + router) + k * expert * ((1 if first else 2) + fraction)
+        esft += (1 if first else 2) * (proj + router) + (1 if first else 3) * scores
+        esft += k * expert * ((1 if first else 2) + fraction)
     return esft / sft
 
 
