@@ -278,4 +278,68 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
                            "params_no_input_embedding": student[0].total - student[0].input_embedding}
                           if student else {"unavailable": student_note}),
         "options": vars(opts),
+        "condense": _condense_table(model, counts),
     }
+
+
+def _condense_table(model, counts: ParamCounts) -> dict[str, list[dict]]:
+    """CD-MoE / trimming of the first n MoE layers, n = 1..all: total, active, memory ratio per variant."""
+    parts = list(moe_layer_parts(model).values())
+    return {v: [{"layers": n, **condensed_parameters(counts.total, counts.active(), parts[:n], v)}
+                for n in range(1, len(parts) + 1)] for v in CONDENSE_VARIANTS}
+
+
+CONDENSE_VARIANTS = ("cd_moe_s", "cd_moe_sr", "layer_trim", "block_trim")
+
+
+@dataclass
+class MoELayerParts:
+    """Parameters of one MoE decoder layer by role (CD-MoE / layer-pruning memory arithmetic)."""
+
+    per_expert: int
+    num_experts: int
+    top_k: int
+    router: int
+    shared: int  # shared expert(s) and their gate
+    moe_block: int  # the whole MoE sub-block (routed + router + shared)
+    decoder_layer: int  # attention, norms and the MoE sub-block
+
+
+def moe_layer_parts(model) -> dict[int, MoELayerParts]:
+    """``{layer: MoELayerParts}`` of a (meta) model, from the uniform MoE view."""
+    counts = count_parameters(model)
+    shapes = {s.layer: s for s in counts.experts}
+    out = {}
+    for view in moe_views(model):
+        s = shapes[view.index]
+        shared = sum(p.numel() for m in (view.shared, view.shared_gate) if m is not None for p in m.parameters())
+        out[view.index] = MoELayerParts(s.params_per_expert, s.num_experts, s.top_k, s.router_params, shared,
+                                        sum(p.numel() for p in view.block.parameters()),
+                                        counts.per_layer_total[view.index])
+    return out
+
+
+def condensed_parameters(total: int, active: int, parts: list[MoELayerParts], variant: str,
+                         kept_routed: int | None = None) -> dict:
+    """Total / active parameters and memory ratio after condensing (CD-MoE) or trimming the given MoE layers.
+
+    cd_moe_s: routed experts and router removed (shared kept, every token); cd_moe_sr: ``kept_routed`` routed
+    experts (default top-k) kept with fixed gates, the rest and the router removed; layer_trim: the whole MoE
+    sub-block removed; block_trim: the whole decoder layer removed (spec 3.3, 3.7).
+    """
+    if variant not in CONDENSE_VARIANTS:
+        raise ValueError(f"variant={variant!r}: choose one of {', '.join(CONDENSE_VARIANTS)}")
+    removed = removed_active = 0
+    for p in parts:
+        keep = 0 if variant == "cd_moe_s" else (p.top_k if kept_routed is None else int(kept_routed))
+        if variant in ("cd_moe_s", "cd_moe_sr"):
+            removed += (p.num_experts - keep) * p.per_expert + p.router
+            removed_active += (p.top_k - keep) * p.per_expert + p.router
+        elif variant == "layer_trim":
+            removed += p.moe_block
+            removed_active += p.moe_block - (p.num_experts - p.top_k) * p.per_expert
+        else:
+            removed += p.decoder_layer
+            removed_active += p.decoder_layer - (p.num_experts - p.top_k) * p.per_expert
+    return {"params_total": total - removed, "params_active": active - removed_active,
+            "memory_ratio": (total - removed) / total}
