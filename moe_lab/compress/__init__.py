@@ -6,11 +6,13 @@ Note: ``moe_lab.compress.scores`` is the scoring FUNCTION; import helpers from t
 """
 
 from .calibration import Calibration, calibrate
+from .condense import condense, export_condensed, js_divergence, load_condensed
 from .dense import export_compressed, to_dense
 from .prune import prune_experts
 from .scores import METHODS as SCORE_METHODS
 from .scores import scores, select_experts
 from .sweep import dense_sweep, prune_study
 
-__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "dense_sweep", "export_compressed", "prune_experts",
-           "prune_study", "scores", "select_experts", "to_dense"]
+__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "condense", "dense_sweep", "export_compressed",
+           "export_condensed", "js_divergence", "load_condensed", "prune_experts", "prune_study", "scores",
+           "select_experts", "to_dense"]
