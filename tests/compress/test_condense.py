@@ -277,3 +277,29 @@ def test_export_drops_unused_experts_and_reloads_identically(ds, tmp_path):
     assert not any(k.startswith("model.layers.1.mlp.experts") for k in state)
     back = load_condensed(tmp_path)
     assert torch.equal(logits(back, batch), ref)
+
+
+def test_layer_trim_and_block_influence(ds):
+    from moe_lab.compress.condense_search import block_influence, trim, trim_order
+
+    model, cal = ds
+    batch = random_batch(2, 8, seed=6, pad_rows=())
+    oracle = copy.deepcopy(model)
+    block = oracle.get_submodule("model.layers.1.mlp")
+    block.experts.down_proj.data.zero_()
+    block.shared_experts.down_proj.weight.data.zero_()
+    trimmed = trim(copy.deepcopy(model), [1], "moe")
+    assert torch.allclose(logits(trimmed, batch), logits(oracle, batch), atol=1e-6)
+    # BlockTrim BI of decoder layer 1 from HF's hidden_states (independent of the hooks)
+    with torch.no_grad():
+        hs = model(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states
+    want = 1 - float(F.cosine_similarity(hs[1].double(), hs[2].double(), dim=-1).mean())
+    assert block_influence(model, [batch], "block")[1] == pytest.approx(want, rel=1e-5)
+    assert sorted(trim_order(model, [batch], "moe")) == cal.moe_layers
+    skipped = trim(copy.deepcopy(model), [1], "block")
+    shorter = copy.deepcopy(model)
+    del shorter.model.layers[1]
+    shorter.config.num_hidden_layers = 2
+    with torch.no_grad():
+        kw = {"input_ids": batch["input_ids"], "use_cache": False}
+        assert torch.equal(skipped(**kw).logits, shorter(**kw).logits)
