@@ -18,7 +18,8 @@ def _counts(path: str, label: str, all_experts: bool) -> dict[int, torch.Tensor]
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"task.runs.{label}={path} does not exist: give a calibration.safetensors written "
-                                "by task=calibrate (model.pretrained=<the run's export>) for each run")
+                                "by task=calibrate (model.pretrained=<the run's export>) for each run, or leave "
+                                "task.runs empty to calibrate model on task.dataset here")
     cal = Calibration.load(path)
     out = {}
     for layer, stats in cal.layers.items():
@@ -28,13 +29,27 @@ def _counts(path: str, label: str, all_experts: bool) -> dict[int, torch.Tensor]
     return out
 
 
+def _calibrate_model(cfg: DictConfig, out: Path) -> Path:
+    """One calibration pass of ``cfg.model`` over ``task.dataset`` (``moe_lab.compress.calibrate``)."""
+    from ..compress.calibration import calibrate
+    from ..models import load_model
+    from .calibrate import calibration_sequences
+
+    c = cfg.task.calibration
+    model, tokenizer = load_model(cfg.model)
+    batches, source = calibration_sequences(cfg.task.dataset, tokenizer, c)
+    cal = calibrate(model, batches, max_chunk_tokens=int(c.max_chunk_tokens),
+                    memory_budget_mb=float(c.memory_budget_mb), data_source=source)
+    return cal.save(out / "calibration.safetensors")
+
+
 def activation_stats_task(cfg: DictConfig) -> dict:
     """Write activation_layers.csv, activation.md, activation.png (first run) and activation_heatmap.png."""
     out = Path(cfg.paths.output_dir)
     t = cfg.task
     runs = OmegaConf.to_container(t.runs) or {}
     if not runs:
-        raise ValueError("task.runs is empty: give {label: <calibration.safetensors>} (one task=calibrate per run)")
+        runs = {cfg.model.name: str(_calibrate_model(cfg, out))}
     dense = set(t.get("all_experts_runs") or [])
     unknown = dense - set(runs)
     if unknown:

@@ -56,3 +56,23 @@ def test_task_on_a_calibration(tmp_path):
     cfg.task.all_experts_runs = ["sft"]
     with pytest.raises(ValueError, match="task.all_experts_runs"):
         run_task(cfg)
+
+
+def test_task_calibrates_the_model_on_a_dataset(tmp_path):
+    """No task.runs: one calibration pass of model on task.dataset; counts = real tokens x k per layer."""
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.compress.calibration import Calibration
+    from moe_lab.tasks import run_task
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["task=activation_stats", "model=tiny_qwen2_moe",
+                                           "dataset@task.dataset=synthetic_math", "task.calibration.num_sequences=6",
+                                           f"paths.output_dir={tmp_path}", "logger=none"])
+    summary = run_task(cfg)
+    cal = Calibration.load(tmp_path / "calibration.safetensors")
+    k = 2
+    for stats in cal.layers.values():
+        assert int(stats["count"].sum()) == int(stats["n"]) * k
+    assert 0 < summary["activation/tiny_qwen2_moe/gini_mean"] < 1
+    assert (tmp_path / "activation_heatmap.png").is_file()
