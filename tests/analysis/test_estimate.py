@@ -270,3 +270,23 @@ def test_gpt_oss_active_for_k_prime():
     c = counts("gpt_oss_20b")
     got = [round(c.active({s.layer: k for s in c.experts}) / 1e9, 2) for k in (4, 3, 2, 1)]
     assert got == [4.19, 3.59, 2.99, 2.40]
+
+
+@pytest.mark.slow
+def test_images_go_to_wandb_offline(tmp_path, monkeypatch):
+    import wandb
+
+    from moe_lab.tasks import run_task
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = OmegaConf.create({"task": OmegaConf.load(ROOT / "conf" / "task" / "estimate.yaml")["task"],
+                            "model": tiny_model_cfg("olmoe"), "paths": {"output_dir": str(tmp_path)},
+                            "logger": {"wandb": {"project": "moe-lab-test", "name": "estimate", "group": "estimate",
+                                                 "save_dir": str(tmp_path), "offline": True}}})
+    cfg.task.seq_len = 16
+    try:
+        run_task(cfg)
+    finally:
+        wandb.finish()
+    images = list((tmp_path / "wandb").glob("offline-run-*/files/media/images/estimate/*.png"))
+    assert len(images) == 1 and images[0].stat().st_size > 10_000
