@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 
 from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
+from . import peft_export
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
@@ -126,6 +127,7 @@ def add_lora(
     # frozen base tensors no longer train any slice: only the adapters' masks remain
     patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
     patch.export_state_dict = functools.partial(merged_state_dict, patch)
+    patch.export_hooks.append(functools.partial(peft_export.export_hook, patch))  # <export>/adapter/ (PEFT)
 
 
 def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:
