@@ -313,8 +313,8 @@ class FrozenExpertsMixture:
 
     def __call__(self, block: MoEBlock, x, logits, weights, indices):
         experts = block.experts
-        if not torch.is_grad_enabled() or parametrize.is_parametrized(experts):  # LoRA: adapters train
-            return experts(x, indices, weights)
+        if not torch.is_grad_enabled() or parametrize.is_parametrized(experts) or indices.numel() == 0:
+            return experts(x, indices, weights)  # no backward, LoRA (its adapters train), or no tokens
         view = block.view.obj
         transposed, _, has_bias = packed_layout(view)
         k, n_experts = indices.shape[1], view.num_experts
