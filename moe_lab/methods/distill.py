@@ -3,14 +3,13 @@
 Loss (token sums, then one normalisation): ``kd_ratio * D(teacher, student) + hidden_weight * MSE_hidden +
 (1 - kd_ratio) * CE(labels)``, divided by the number of real tokens of the WHOLE global batch. The global count
 is known only once the accumulation window has been seen: each micro-batch returns its token SUM (Lightning
-divides it by accumulate_grad_batches A), and just before the optimizer step (before gradient clipping) the
-accumulated gradients are multiplied by A * world_size / N, N = real tokens of every micro-batch of the
+divides it by accumulate_grad_batches A), and after the window's last backward (before on_before_optimizer_step
+hooks and gradient clipping) the accumulated gradients are multiplied by A * world_size / N, N = real tokens of every micro-batch of the
 window on every rank (all-reduced). Mathematically identical to one large batch, whatever the token counts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -20,6 +19,8 @@ import torch
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
 from ..distill.teacher import WEIGHT_RULES, load_teacher, widen_teacher
+from ..moe.patch import MoEPatch
+from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
 from .base import MoELightningModule
 from .precision import check_mode
@@ -33,22 +34,20 @@ DEFAULTS = {"loss": "forward_kl", "temperature": 1.0, "beta": 0.5, "hidden_weigh
 
 
 class _DensePatch:
-    """What MoELightningModule needs of a patch, for a student without MoE layers (e.g. a to_dense result)."""
+    """What MoELightningModule and the callbacks need of a patch, for a student without MoE layers (e.g. a
+    to_dense result): no layers, no routing statistics."""
+
+    parameter_groups = MoEPatch.parameter_groups
 
     def __init__(self, model):
         self.model = model
+        self.views: list = []
+        self.layers: list = []
+        self.context = TokenContext()
         self.expert_slice_masks: dict = {}
 
     def after_optimizer_step(self) -> None:
         pass
-
-    @contextlib.contextmanager
-    def real_tokens(self, mask):
-        yield
-
-    @property
-    def context(self):
-        return self
 
     def export(self, path, tokenizer=None):
         from ..compress.dense import export_compressed
@@ -180,6 +179,7 @@ class KDModule(MoELightningModule):
 
     def on_fit_start(self):
         super().on_fit_start()
+        self.model.train()  # from_pretrained returns eval mode
         self._move_teacher()
 
     def on_validation_start(self):
@@ -228,9 +228,13 @@ class KDModule(MoELightningModule):
                  batch_size=batch["input_ids"].shape[0])
         return sums["loss"] / n
 
-    def on_before_optimizer_step(self, optimizer):
-        """Normalise the accumulated gradients by the global real-token count; stop on a non-finite loss."""
+    def on_after_backward(self):
+        """At the last micro-batch of an accumulation window (before any on_before_optimizer_step hook, so
+        gradient-norm callbacks and clipping see the final gradients): normalise the accumulated gradients by
+        the global real-token count; stop on a non-finite loss before the optimizer step."""
         trainer = self.trainer
+        if trainer.fit_loop._should_accumulate():  # Lightning's own test (automatic optimisation)
+            return
         stats = torch.tensor([self._window_sum, float(self._window_tokens)], dtype=torch.float64,
                              device=self.device)
         stats = trainer.strategy.reduce(stats, reduce_op="sum")

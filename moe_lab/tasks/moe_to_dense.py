@@ -1,0 +1,181 @@
+"""task=moe_to_dense: calibrate -> convert -> distil (method=kd, the unmodified MoE as teacher) -> perplexity.
+
+Each stage is the existing task run in its own sub-directory of the run directory: ``calibrate/``
+(task=calibrate, skipped with ``compress.calibration_file``), ``convert/`` (task=compress, single point,
+export on), ``distill/`` (task=finetune with the exported student as ``model`` and the original ``model`` as
+``method.teacher``). ``compress.init`` = random_ffn | random replaces the converted student by the paper's
+baselines before distillation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ..compress.dense import export_compressed
+from ..compress.sweep import ppl_point
+from ..models import load_model
+from ..moe.view import find_moe_layers
+from ..plain import to_plain
+from .calibrate import calibrate_task
+from .compress import compress, eval_ids
+from .finetune import finetune
+
+log = logging.getLogger(__name__)
+
+INITS = ("converted", "random_ffn", "random")
+ROUTING_CALLBACKS = ("ExpertLoadCallback", "RouterBiasCallback", "RoutingDriftCallback")
+
+
+def _is_moe(directory: Path) -> bool:
+    from ..moe.registry import FAMILIES
+
+    return json.loads((directory / "config.json").read_text())["model_type"] in FAMILIES
+
+
+def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
+    """A copy of ``cfg`` writing to ``out`` with dotted-key updates."""
+    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    out.mkdir(parents=True, exist_ok=True)
+    with open_dict(sub):
+        OmegaConf.update(sub, "paths.output_dir", str(out), merge=False)
+        for key, value in updates.items():
+            OmegaConf.update(sub, key, value, merge=False)
+    return sub
+
+
+def ffn_names(teacher, num_layers: int) -> list[str]:
+    """The FFN module name of every decoder layer (the MoE blocks' names, for every layer index)."""
+    name = find_moe_layers(teacher)[0].name
+    return [re.sub(r"layers\.\d+\.", f"layers.{i}.", name, count=1) for i in range(num_layers)]
+
+
+@torch.no_grad()
+def reinitialise(student, names: list[str], init: str, seed: int) -> None:
+    """The paper's baselines: ``random_ffn`` re-draws the FFNs (``names``), ``random`` every module, with the
+    dense class's ``_init_weights`` (normal(0, initializer_range) for linear layers)."""
+    torch.manual_seed(seed)
+    modules = list(student.modules()) if init == "random" else [
+        m for n in names for m in student.get_submodule(n).modules()]
+    for module in modules:
+        if hasattr(module, "_is_hf_initialized"):
+            module._is_hf_initialized = False
+        student._init_weights(module)
+
+
+def load_student(model_cfg):
+    """``(model, tokenizer)`` of an exported student: ``models.load_model``, which validates MoE families
+    only, for an MoE student; vanilla ``from_pretrained`` for a dense one (a to_dense result)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..data.tokenizer import load_tokenizer
+    from ..models import DTYPES
+
+    cfg = to_plain(model_cfg)
+    try:
+        return load_model(cfg)
+    except ValueError as err:
+        if "unsupported model_type" not in str(err):
+            raise
+    model = AutoModelForCausalLM.from_pretrained(cfg["pretrained"], dtype=DTYPES[cfg.get("dtype") or "float32"])
+    tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg["pretrained"])
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _dense_students():
+    """task=finetune's model loading, accepting a dense student (its loader is models.load_model)."""
+    from . import finetune as finetune_module
+
+    original = finetune_module.load_model
+    finetune_module.load_model = load_student
+    try:
+        yield
+    finally:
+        finetune_module.load_model = original
+
+
+def _check(cfg: DictConfig) -> None:
+    if not str(cfg.method.get("_target_", "")).endswith("KDModule"):
+        raise ValueError(f"task=moe_to_dense distils with method=kd, got method={cfg.method.name}: add method=kd")
+    if cfg.compress.method != "to_dense" or cfg.compress.sweep:
+        raise ValueError("task=moe_to_dense converts one student: compress.method=to_dense, compress.sweep=false")
+    if cfg.compress.init not in INITS:
+        raise ValueError(f"compress.init={cfg.compress.init!r}: choose one of {', '.join(INITS)}")
+
+
+def moe_to_dense(cfg: DictConfig) -> dict:
+    """Run the four stages; writes summary.json and plots/kd_kl.png in the run directory."""
+    _check(cfg)
+    out = Path(cfg.paths.output_dir)
+    start = time.time()
+    summary: dict = {"model": cfg.model.name, "init": cfg.compress.init}
+    calibration = cfg.compress.calibration_file
+    if not calibration:
+        calibration = calibrate_task(_stage(cfg, out / "calibrate"))["calibration"]
+    summary["calibration"] = str(calibration)
+    converted = compress(_stage(cfg, out / "convert", **{"compress.calibration_file": str(calibration),
+                                                          "compress.export": True}))
+    student_dir = Path(converted["export"])
+    summary["pre_distill"] = {"ppl": converted["ppl"], "status": converted["status"]}
+    teacher_cfg = to_plain(cfg.model)
+    if cfg.compress.init != "converted":
+        teacher, tokenizer = load_model(teacher_cfg)
+        student, _ = load_student({"pretrained": str(student_dir), "tokenizer": teacher_cfg.get("tokenizer"),
+                                 "dtype": teacher_cfg.get("dtype")})
+        reinitialise(student, ffn_names(teacher, student.config.num_hidden_layers), cfg.compress.init,
+                     int(cfg.seed))
+        student.moe_lab_manifest = {**json.loads((student_dir / "compress_manifest.json").read_text()),
+                                    "init": cfg.compress.init}
+        student_dir = export_compressed(student, out / "convert" / f"export_{cfg.compress.init}", tokenizer)
+        del teacher, student
+    student_cfg = {**teacher_cfg, "name": f"{cfg.model.name}_dense", "pretrained": str(student_dir),
+                   "config_class": None, "config": None}
+    distill_cfg = _stage(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
+    if not _is_moe(student_dir):  # routing callbacks have nothing to watch in a dense student
+        with open_dict(distill_cfg):
+            for name in [n for n, c in (distill_cfg.callbacks or {}).items()
+                         if c is not None and str(c.get("_target_", "")).endswith(ROUTING_CALLBACKS)]:
+                del distill_cfg.callbacks[name]
+    with _dense_students():
+        distilled = finetune(distill_cfg)
+    summary["distill"] = {k: distilled.get(k) for k in ("global_step", "train/loss", "kd/kl", "kd/top1_agreement",
+                                                         "wall_time_s", "export")}
+    if distilled.get("export"):
+        model, tokenizer = load_student({**student_cfg, "pretrained": distilled["export"]})
+        model.eval()
+        c = cfg.compress
+        ppl_kw = {"max_length": min(int(c.eval.max_length), int(model.config.max_position_embeddings)),
+                  "stride": int(c.eval.stride), "batch_size": int(c.eval.batch_size)}
+        ppl_kw["stride"] = min(ppl_kw["stride"], ppl_kw["max_length"])
+        point = ppl_point(model, tokenizer, eval_ids(c.eval, tokenizer), **ppl_kw)
+        summary["post_distill"] = {"ppl": point["ppl"], "status": point["status"]}
+    summary["plots"] = _plot_kl(out / "distill" / "metrics.csv", out / "plots" / "kd_kl.png")
+    summary["wall_time_s"] = round(time.time() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    pre, post = summary["pre_distill"]["ppl"], summary.get("post_distill", {}).get("ppl")
+    print(f"==== moe-lab moe_to_dense: ppl {pre:.4g} (converted) -> {post} (distilled); KL plot "
+          f"{summary['plots']}", flush=True)
+    return summary
+
+
+def _plot_kl(metrics: Path, png: Path) -> str | None:
+    from ..analysis.plots import loss_curve
+
+    if not metrics.exists():
+        return None
+    try:
+        return str(loss_curve(metrics, png, title="student-teacher KL (forward, tau = 1) per step",
+                              keys=("kd/kl", "val/kd/kl")))
+    except ValueError as err:
+        log.warning("plots/kd_kl.png skipped: %s", err)
+        return None
