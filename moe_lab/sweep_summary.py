@@ -10,9 +10,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 COLUMNS = ("job", "model", "method", "steps", "train_loss", "val_loss", "val_ppl", "step_time_s", "step_ratio",
            "error")
@@ -53,7 +55,9 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
     rows = sweep_rows(sweep_dir)
     if not rows:
         return None
-    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+    # jobs on a cluster finish at the same time: each writes a file of its own, then renames it into place
+    tmp = sweep_dir / f".summary.csv.{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
@@ -66,7 +70,10 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(fmt(row[c]) for c in COLUMNS) + " |" for row in rows]
     md = sweep_dir / "summary.md"
-    md.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, sweep_dir / "summary.csv")
+    tmp = sweep_dir / f".summary.md.{os.getpid()}"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, md)
     return md
 
 
@@ -82,6 +89,36 @@ def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
         "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
     }, indent=2))
     return path
+
+
+def _wandb_group(default: str) -> str:
+    from moe_lab.callbacks.wandb_media import sweep_group
+
+    return sweep_group(default)
+
+
+if not OmegaConf.has_resolver("moe_lab.wandb_group"):  # conf/logger/wandb.yaml: group = the sweep dir's name
+    OmegaConf.register_new_resolver("moe_lab.wandb_group", _wandb_group)
+
+
+def log_sweep_table(config, sweep_dir: str | Path) -> Path | None:
+    """With ``logger=wandb``: the sweep table as a ``wandb.Table`` in a W&B run of the sweep's group (a failure is
+    a warning: the CSV and Markdown tables are written already)."""
+    import logging
+
+    from moe_lab.tasks.resume import wandb_logger_nodes
+
+    names = wandb_logger_nodes(config)
+    rows = sweep_rows(sweep_dir)
+    if not names or not rows:
+        return None
+    try:
+        from moe_lab.callbacks.wandb_media import log_sweep_table as log_table
+
+        return log_table(sweep_dir, rows, COLUMNS, config.logger[names[0]])
+    except Exception as error:  # noqa: BLE001
+        logging.getLogger(__name__).warning("sweep summary not logged to W&B (%s: %s)", type(error).__name__, error)
+        return None
 
 
 class SweepSummaryCallback(Callback):
@@ -103,3 +140,4 @@ class SweepSummaryCallback(Callback):
         if md is not None:
             print(md.read_text())
             print(f"Sweep summary: {md}")
+            log_sweep_table(config, config.hydra.sweep.dir)

@@ -6,7 +6,8 @@
 #   scripts/slurm_local.sh stop     stop the daemons this script started (by their pid files)
 #   scripts/slurm_local.sh status   daemons and `sinfo`; exit 0 when the node is up
 #
-# Idempotent: `start` on a running cluster only checks it, `stop` on a stopped one does nothing. No accounting
+# SLURM_LOCAL_NO_INSTALL=1: fail instead of installing. Idempotent: `start` on a running cluster only checks it,
+# `stop` on a stopped one does nothing. No accounting
 # database (so no `sacct`), no cgroups (proctrack/linuxproc, task/none: works in a container). Partition
 # `debug` (SLURM_LOCAL_PARTITION to change). Logs: /var/log/slurm/. A slurm.conf not written by this script
 # (a real cluster's) is never touched: `start` refuses.
@@ -30,6 +31,7 @@ alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 install_packages() {
     command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sinfo >/dev/null \
         && command -v munged >/dev/null && return 0
+    [[ ${SLURM_LOCAL_NO_INSTALL:-0} == 0 ]] || die "slurm is not installed (apt-get install slurmctld slurmd slurm-client munge)"
     [[ $(id -u) == 0 ]] || die "slurm is not installed and installing it needs root (apt-get)"
     command -v apt-get >/dev/null || die "slurm is not installed and this is not a Debian machine (no apt-get)"
     say "installing slurmctld slurmd slurm-client munge (apt-get)"
