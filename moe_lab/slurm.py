@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -98,6 +99,9 @@ class SubmititRequeue:
             return
         log.info("%s: checkpoint written, handing over to submitit to requeue this job",
                  signal.Signals(signum).name)
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:  # before `scontrol requeue` kills the step's processes,
+            wandb.finish()  # W&B's service among them; the requeued job continues the same run id
         self.handler(signum, None)
 
 
