@@ -132,11 +132,14 @@ def test_failed_job_is_reported_and_the_others_run(cluster, tmp_path):
 @pytest.mark.slow
 def test_unknown_partition_fails_with_the_sbatch_error(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = multirun(*TINY, "++local.slurm.partition=no_such_partition", "seed=1,2", sweep=sweep, cwd=tmp_path,
-                    timeout=120)
+    proc = multirun(*TINY, "++local.slurm.partition=no_such_partition", "hardware=ddp_cpu", "seed=1,2", sweep=sweep,
+                    cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
-    assert "invalid partition specified: no_such_partition" in proc.stderr, proc.stderr[-3000:]
+    assert "sbatch: error: invalid partition specified: no_such_partition" in proc.stderr, proc.stderr[-3000:]
     assert not list(sweep.glob("*/config.yaml"))  # nothing ran
+    (script,) = sweep.glob(".submitit/.submission_file_*.sh")  # what was submitted: 2 devices -> 2 tasks per node
+    assert "#SBATCH --ntasks-per-node=2" in script.read_text()
+    assert "#SBATCH --partition=no_such_partition" in script.read_text()
 
 
 def _wait_for(what: str, predicate, timeout: float, sweep: Path, poll=0.5):
