@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from moe_lab.analysis.load_stats import load_summary
 
 from ._logging import log_metrics, logging_step, wandb_loggers
+from .wandb_media import log_lorenz
 
 
 class ExpertLoadCallback(Callback):
@@ -45,7 +46,9 @@ class ExpertLoadCallback(Callback):
     Every ``heatmap_every_n_steps`` optimizer steps and at the end of training it writes a layer x expert
     heatmap of the load since the previous heatmap (every snapshot on one colour scale, ``colour_scale``) to ``plot_dir`` (default
     ``<trainer.default_root_dir>/plots``) as ``expert_load_step{step:06d}.png`` and
-    ``expert_load_latest.png`` (rank zero only), and logs it to W&B as ``load/heatmap``. ``0`` disables
+    ``expert_load_latest.png`` (rank zero only), and logs it to W&B as ``load/heatmap`` (one image per
+    snapshot on the step axis), with ``load/lorenz`` and ``load/gini_by_layer`` of the same window
+    (:func:`~moe_lab.callbacks.wandb_media.log_lorenz`). ``0`` disables
     the heatmaps (or the metrics, for ``log_every_n_steps``).
 
     ``self.latest`` holds the last logged metrics (floats) plus ``"step"`` and ``"counts"`` (the reduced
@@ -197,4 +200,6 @@ class ExpertLoadCallback(Callback):
         self.latest_heatmap = path
         for logger in wandb_loggers(trainer):
             logger.log_image(key="load/heatmap", images=[str(path)], step=logging_step(trainer))
+        log_lorenz(wandb_loggers(trainer), {layer.index: c for layer, c in zip(layers, self._split(pl_module, flat))},
+                   logging_step(trainer), title.replace("expert load", "expert load Lorenz curves"))
         return path

@@ -126,7 +126,7 @@ def test_wandb_offline_run_contains_load_and_grad_norm(tmp_path, monkeypatch):
     # heatmaps at step 3 and at train end (step 4), as PNGs locally and as W&B images
     images = [r for r in rows if r.get("load/heatmap/_type") == "images/separated"]
     assert len(images) == 2
-    assert len(list((run_dir / "files" / "media" / "images").rglob("*.png"))) == 2
+    assert len(list((run_dir / "files" / "media" / "images").rglob("heatmap_*.png"))) == 2  # (+ 2 Lorenz)
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "expert_load_latest.png",
         "expert_load_step000003.png",
