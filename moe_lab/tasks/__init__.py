@@ -55,6 +55,7 @@ def _analysis(module: str, function: str):
 
 
 TASKS["estimate"] = _analysis("estimate", "estimate_task")
+TASKS["condense"] = _analysis("condense", "condense_task")
 TASKS["correlation"] = _analysis("correlation", "correlation_task")
 TASKS["activation_stats"] = _analysis("activation_stats", "activation_stats_task")
 TASKS["offload"] = _analysis("offload", "offload_task")

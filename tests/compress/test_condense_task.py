@@ -1,0 +1,47 @@
+"""task=condense end to end on a tiny DeepSeek-V2 (calibrate -> search -> condense -> export -> reload)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lab.compress import Calibration, load_condensed
+
+
+def _compose(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.slow
+def test_condense_task_searches_condenses_and_exports(tmp_path):
+    from moe_lab.models import load_model
+    from moe_lab.tasks import run_task
+
+    text = tmp_path / "c4.txt"
+    gen = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer"]
+    text.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (40,), generator=gen))
+                              for _ in range(30)))
+    data = ["num_sequences=4", "seq_len=16", "batch_size=2", "sample=first"]
+    cal = run_task(_compose(tmp_path / "cal", "task=calibrate", "model=tiny_deepseek_v2",
+                            "dataset@compress.calibration.dataset=c4", f"compress.calibration.dataset.path={text}",
+                            *[f"compress.calibration.{d}" for d in data]))
+    cfg = _compose(tmp_path / "cd", "task=condense", "model=tiny_deepseek_v2",
+                   f"condense.calibration_file={cal['calibration']}", f"condense.search.dataset.path={text}",
+                   "condense.routed_experts=2", "condense.num_layers=1", *[f"condense.search.{d}" for d in data])
+    summary = run_task(cfg)
+    model, _ = load_model(cfg.model)
+    layer = summary["layers"][0]
+    assert layer in (1, 2) and len(summary["experts"][str(layer)]) == 2
+    E, I, H = 8, 32, 64
+    removed = (E - 2) * 3 * I * H + E * H  # routed experts dropped + router
+    total = sum(p.numel() for p in model.parameters())
+    assert summary["params_before"] == total and summary["params_after"] == total - removed
+    back = load_condensed(summary["export"])
+    assert back.get_submodule(f"model.layers.{layer}.mlp").expert_ids.tolist() == summary["experts"][str(layer)]
+    Calibration.load(cal["calibration"]).check_compatible(model)
