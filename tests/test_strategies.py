@@ -17,7 +17,12 @@ from omegaconf import OmegaConf
 
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.strategies import (
-    KeepFp32Buffers, build_strategy, check_devices, config_strategy_kind, prepare, strategy_kind,
+    KeepFp32Buffers,
+    build_strategy,
+    check_devices,
+    config_strategy_kind,
+    prepare,
+    strategy_kind,
 )
 from tests.conftest import build_tiny, random_batch
 

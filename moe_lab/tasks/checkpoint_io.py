@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -38,6 +38,8 @@ def read_checkpoint(path: str | Path, field: str = "task.ckpt_path") -> dict:
     """A task=finetune checkpoint, memory-mapped (cheap to open); a ``ValueError`` naming ``field`` when the
     file is not one (unreadable, or not a Lightning checkpoint with a state dict and moe-lab hyperparameters)."""
     path = Path(path)
+    if path.is_dir() and (path / "latest").is_file():
+        return _read_zero_checkpoint(path)
     if not path.is_file():
         raise FileNotFoundError(f"{field}={path}: no such file (resume with task.resume=<run dir>, or point "
                                 f"{field} at <run dir>/checkpoints/last.ckpt)")
@@ -55,6 +57,24 @@ def read_checkpoint(path: str | Path, field: str = "task.ckpt_path") -> dict:
         raise ValueError(f"{field}={path} is not a moe-lab checkpoint (no Lightning state_dict with moe-lab "
                          "hyperparameters). Use <run dir>/checkpoints/last.ckpt of a task=finetune run.")
     return ckpt
+
+
+def _read_zero_checkpoint(path: Path) -> dict:
+    """A DeepSpeed checkpoint directory's Lightning state (rank zero's model-states file) with ``state_dict`` =
+    every parameter and buffer as a meta tensor of its full shape (ZeRO-3 stores partitions), for
+    :func:`check_matches`."""
+    tag = (path / "latest").read_text().strip()
+    files = [path / tag / name for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")]
+    state = torch.load(next((f for f in files if f.is_file()), files[0]), map_location="cpu", weights_only=False)
+    shapes = {}
+    for group in state.get("param_shapes") or []:
+        shapes.update(group)
+    shapes.update(state.get("frozen_param_shapes") or {})
+    module = state.get("module") or {}
+    shapes.update({name: module[name].shape for name in state.get("buffer_names") or [] if name in module})
+    state["state_dict"] = {k.removeprefix("_forward_module."): torch.empty(v, device="meta")
+                           for k, v in shapes.items()}
+    return state
 
 
 def checkpoint_label(ckpt: dict, path: Path) -> str:
@@ -127,10 +147,182 @@ class CheckpointOnSignal(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.signum is not None and self.saved is None and trainer.world_size == 1:
-            trainer.save_checkpoint(self.ckpt_path)
+            _save_marked(trainer, self.ckpt_path)
             self.saved = self.ckpt_path
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException) and self.signum is not None and self.saved is None:
-            trainer.save_checkpoint(self.ckpt_path)
+            _save_marked(trainer, self.ckpt_path)
             self.saved = self.ckpt_path
+
+
+# ---- COMPLETED markers, keep-last-N, cross-strategy resume, ZeRO -> HF conversion ----------------------------
+MARKER = "COMPLETED"
+CONVERT = "python -m moe_lab.tasks.checkpoint_io convert"
+
+
+def marker_path(ckpt: str | Path) -> Path:
+    """Where a checkpoint's COMPLETED marker lives: inside a directory checkpoint (DeepSpeed), beside a file."""
+    ckpt = Path(ckpt)
+    return ckpt / MARKER if ckpt.is_dir() else ckpt.with_name(f"{ckpt.name}.{MARKER}")
+
+
+def mark_completed(trainer, ckpt: str | Path) -> None:
+    """Rank zero writes the marker (JSON: step, strategy, world size) once every rank finished saving ``ckpt``
+    (``Trainer.save_checkpoint`` ends with a barrier)."""
+    import json
+
+    from ..strategies import strategy_kind
+
+    if not trainer.is_global_zero:
+        return
+    info = {"global_step": int(trainer.global_step), "strategy": strategy_kind(trainer.strategy),
+            "world_size": int(trainer.world_size)}
+    target = marker_path(ckpt)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(info) + "\n")
+    os.replace(tmp, target)
+
+
+def _unmark(trainer, ckpt: str | Path) -> None:
+    if trainer.is_global_zero:
+        marker_path(ckpt).unlink(missing_ok=True)
+
+
+def _save_marked(trainer, ckpt: Path, save=None) -> None:
+    """``trainer.save_checkpoint`` then the COMPLETED marker (a directory loses its marker before it is rewritten;
+    a file is replaced atomically, so until then the old one stays complete)."""
+    if Path(ckpt).is_dir():
+        _unmark(trainer, ckpt)
+    trainer.strategy.barrier("moe_lab.unmark")
+    if save is None:
+        trainer.save_checkpoint(ckpt)
+    else:
+        save()
+    mark_completed(trainer, ckpt)
+
+
+class CompletedCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that marks each checkpoint COMPLETED once written (a directory checkpoint loses its
+    marker before it is overwritten; files are replaced atomically), removes the marker with the checkpoint and,
+    with ``keep_last`` > 0, keeps only the ``keep_last`` newest ``step-<n>.ckpt``."""
+
+    def __init__(self, *args, keep_last: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep_last = keep_last
+
+    def _save_checkpoint(self, trainer, filepath) -> None:
+        _save_marked(trainer, Path(filepath), save=lambda: super(CompletedCheckpoint, self)._save_checkpoint(
+            trainer, filepath))
+        if self.keep_last and self.dirpath is not None:
+            steps = sorted(Path(self.dirpath).glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
+            for old in steps[:-self.keep_last]:
+                self.best_k_models.pop(str(old), None)
+                self._remove_checkpoint(trainer, str(old))
+
+    def _remove_checkpoint(self, trainer, filepath) -> None:
+        _unmark(trainer, filepath)
+        super()._remove_checkpoint(trainer, filepath)
+
+
+def checkpoint_callback(dirpath: str | Path, every_n_train_steps: int, keep_last: int = 0) -> CompletedCheckpoint:
+    """``last.ckpt`` every ``every_n_train_steps``; with ``keep_last`` (``task.keep_last_checkpoints``) > 0 also the
+    ``keep_last`` newest ``step-<n>.ckpt`` (older ones deleted)."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+        raise ValueError(f"task.keep_last_checkpoints={keep_last!r}: give an integer >= 0 (0 = only last.ckpt)")
+    return CompletedCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1 if keep_last else 0,
+                               filename="step-{step}", auto_insert_metric_name=False,
+                               every_n_train_steps=every_n_train_steps, keep_last=keep_last)
+
+
+def _family(kind: str) -> str:
+    return "deepspeed" if kind.startswith("deepspeed") else "fsdp" if kind == "fsdp" else "plain"
+
+
+def check_resumable(path: str | Path, field: str, strategy: str) -> None:
+    """Refuse to resume ``path`` when it has no COMPLETED marker (half-written) or was written under a strategy
+    whose checkpoint ``strategy`` (:func:`moe_lab.strategies.config_strategy_kind`) cannot load."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        return  # read_checkpoint names the missing file
+    marker = marker_path(path)
+    if not marker.is_file():
+        done = sorted(p.name.removesuffix(f".{MARKER}") for p in path.parent.glob(f"*.{MARKER}"))
+        done += sorted(p.parent.name for p in path.parent.glob(f"*/{MARKER}"))
+        raise ValueError(
+            f"{field}={path}: no {MARKER} marker ({marker}), so the checkpoint is half-written (the run stopped "
+            "while saving it) or was written by an older moe-lab. "
+            + (f"Complete checkpoints beside it: {', '.join(done)} (task.ckpt_path=<one of them>)." if done else
+               "No complete checkpoint beside it: start the run again."))
+    written = json.loads(marker.read_text()).get("strategy", "single")
+    if _family(written) == _family(strategy):
+        if written != strategy and written.startswith("deepspeed"):
+            raise ValueError(f"{field}={path} was written under {written}, this run is {strategy}: resume with "
+                             f"hardware={written} (ZeRO partitions optimizer state per stage)")
+        return
+    convert = (f" or convert its weights ({CONVERT} {path} <export dir>) and start a new run from them with "
+               "model.pretrained=<export dir>") if written.startswith("deepspeed") else ""
+    raise ValueError(f"{field}={path} was written under {written}; this run uses {strategy}, which cannot load its "
+                     f"optimizer state. Resume with the hardware it was written with{convert}.")
+
+
+def _run_config(ckpt_dir: Path, run_dir: Path | None):
+    from omegaconf import OmegaConf
+
+    for run in [run_dir] if run_dir is not None else [ckpt_dir.parent.parent, ckpt_dir.parent]:
+        if (run / "config.yaml").is_file():
+            return OmegaConf.load(run / "config.yaml")
+    raise FileNotFoundError(f"{ckpt_dir}: no config.yaml in {run_dir or 'its run directory'}; pass --run-dir "
+                            "<run dir>")
+
+
+def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str | Path | None = None) -> Path:
+    """A DeepSpeed ZeRO (stage 1-3) checkpoint directory -> an HF export in ``out`` that vanilla transformers loads.
+
+    The fp32 weights are gathered from the partitions by DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``;
+    the run's ``config.yaml`` rebuilds the model and method (the Lightning module's keys, ``_forward_module.``
+    prefixes of old Lightning versions stripped), and the method's own export writes ``out`` (LoRA merged, method
+    metadata beside it)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from hydra.utils import instantiate
+
+    from ..models import load_model
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "latest").is_file():
+        raise ValueError(f"{ckpt_dir} is not a DeepSpeed checkpoint directory (no 'latest' file); a single-file "
+                         ".ckpt needs no conversion (task=evaluate task.checkpoint=<file> reads it)")
+    cfg = _run_config(ckpt_dir, Path(run_dir) if run_dir else None)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+    state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
+    model, tokenizer = load_model(cfg.model)
+    module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
+                         _recursive_=False)
+    try:
+        module.load_state_dict(state)  # parameters and persistent buffers (condenser biases) alike
+    except RuntimeError as err:
+        raise ValueError(f"{ckpt_dir}: the checkpoint does not fit {cfg.model.name} / {cfg.method.name} of its "
+                         f"run's config.yaml: {str(err).splitlines()[0]}") from None
+    return module.patch.export(Path(out), tokenizer=tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m moe_lab.tasks.checkpoint_io convert <zero checkpoint dir> <export dir> [--run-dir DIR]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m moe_lab.tasks.checkpoint_io")
+    sub = parser.add_subparsers(dest="command", required=True)
+    convert = sub.add_parser("convert", help="DeepSpeed ZeRO checkpoint directory -> vanilla HF export")
+    convert.add_argument("checkpoint")
+    convert.add_argument("out")
+    convert.add_argument("--run-dir", default=None, help="run directory holding config.yaml (default: the "
+                         "checkpoint's)")
+    args = parser.parse_args(argv)
+    path = convert_zero_checkpoint(args.checkpoint, args.out, args.run_dir)
+    print(f"wrote {path} (AutoModelForCausalLM.from_pretrained({str(path)!r}))")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,8 +19,15 @@ from .. import slurm
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
-from ..strategies import build_strategy, prepare
-from .checkpoint_io import AtomicCheckpointIO, CheckpointOnSignal, check_matches, read_checkpoint
+from ..strategies import build_strategy, config_strategy_kind, prepare
+from .checkpoint_io import (
+    AtomicCheckpointIO,
+    CheckpointOnSignal,
+    check_matches,
+    check_resumable,
+    checkpoint_callback,
+    read_checkpoint,
+)
 from .resume import History, pin_wandb_run, resume_checkpoint
 
 log = logging.getLogger(__name__)
@@ -49,8 +56,8 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
         trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50),
                                                   trainer_kwargs["max_steps"])
     trainer_kwargs["enable_progress_bar"] = any(isinstance(c, ProgressBar) for c in callbacks)
-    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0,
-                                 every_n_train_steps=cfg.task.checkpoint_every_n_steps)
+    checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
+                                     cfg.task.get("keep_last_checkpoints", 0))
     return L.Trainer(
         default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint],
         strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
@@ -93,6 +100,8 @@ def finetune(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
+    if ckpt_path is not None:
+        check_resumable(ckpt_path, field, config_strategy_kind(cfg.hardware.trainer))
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
