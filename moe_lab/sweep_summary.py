@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import OmegaConf
 
 COLUMNS = ("job", "model", "method", "steps", "train_loss", "val_loss", "val_ppl", "step_time_s", "step_ratio",
            "error")
@@ -91,16 +90,6 @@ def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
     return path
 
 
-def _wandb_group(default: str) -> str:
-    from moe_lab.callbacks.wandb_media import sweep_group
-
-    return sweep_group(default)
-
-
-if not OmegaConf.has_resolver("moe_lab.wandb_group"):  # conf/logger/wandb.yaml: group = the sweep dir's name
-    OmegaConf.register_new_resolver("moe_lab.wandb_group", _wandb_group)
-
-
 def log_sweep_table(config, sweep_dir: str | Path) -> Path | None:
     """With ``logger=wandb``: the sweep table as a ``wandb.Table`` in a W&B run of the sweep's group (a failure is
     a warning: the CSV and Markdown tables are written already)."""
@@ -123,6 +112,14 @@ def log_sweep_table(config, sweep_dir: str | Path) -> Path | None:
 
 class SweepSummaryCallback(Callback):
     """Hydra callback: rewrite the sweep table after every job (failed ones included) and print it at the end."""
+
+    def on_job_start(self, config, **kwargs) -> None:
+        """In a multirun, ``WANDB_RUN_GROUP`` = the sweep directory's name: conf/logger/wandb.yaml's W&B group."""
+        from moe_lab.callbacks.wandb_media import sweep_group
+
+        group = sweep_group(None)
+        if group is not None:
+            os.environ["WANDB_RUN_GROUP"] = group
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig

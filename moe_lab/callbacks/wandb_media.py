@@ -7,7 +7,7 @@ callbacks (``load/heatmap``, ``router_bias/trajectory``).
 
 from __future__ import annotations
 
-import logging
+import functools
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,11 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from omegaconf import OmegaConf
 
 from ._logging import wandb_loggers
 
-log = logging.getLogger(__name__)
 GINI_COLUMNS = ("layer", "gini", "tail_share", "tail_experts", "assignments")
 
 
@@ -46,19 +44,16 @@ def log_lorenz(loggers: Iterable, counts: Mapping[int, torch.Tensor], step: int,
             logger.log_metrics({"load/lorenz": wandb.Image(str(path)), "load/gini_by_layer": table}, step=step)
 
 
-def sweep_group(default: str) -> str:
+def sweep_group(default: str | None) -> str | None:
     """W&B group of a job: the sweep directory's name in a Hydra multirun (all jobs of one sweep together, beside
-    the sweep's summary table), ``default`` otherwise. Resolver ``${moe_lab.wandb_group:<default>}``."""
+    the sweep's summary table), ``default`` otherwise. The sweep-summary Hydra callback puts it in
+    ``WANDB_RUN_GROUP``, which conf/logger/wandb.yaml reads (``${oc.env:WANDB_RUN_GROUP,${task.name}}``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         return Path(str(HydraConfig.get().sweep.dir)).name
     return default
-
-
-if not OmegaConf.has_resolver("moe_lab.wandb_group"):
-    OmegaConf.register_new_resolver("moe_lab.wandb_group", sweep_group)
 
 
 def log_sweep_table(sweep_dir: str | Path, rows: list[dict], columns: Iterable[str], wandb_cfg: Mapping[str, Any]):
@@ -95,11 +90,11 @@ class WandbMediaCallback(Callback):
             return
         loggers = wandb_loggers(trainer)
         if loggers:
-            patch.export_hooks.append(lambda path: self._log_artifact(loggers, Path(path)))
+            patch.export_hooks.append(functools.partial(self._log_artifact, loggers))  # picklable
             self._hooked = True
 
     @staticmethod
-    def _log_artifact(loggers, path: Path) -> None:
+    def _log_artifact(loggers, path) -> None:
         import wandb
 
         for logger in loggers:

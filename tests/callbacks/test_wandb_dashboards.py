@@ -141,13 +141,18 @@ def test_wandb_group_is_the_sweep_dir_name_in_a_multirun(monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from moe_lab.sweep_summary import SweepSummaryCallback
+
+    monkeypatch.setenv("WANDB_RUN_GROUP", "")  # restored (to unset) after the test
+    monkeypatch.delenv("WANDB_RUN_GROUP")
     assert sweep_group("finetune") == "finetune"  # no Hydra run: the default
-    hydra = SimpleNamespace(mode=RunMode.MULTIRUN, sweep=SimpleNamespace(dir="multirun/finetune/2026-01-01_00-00-00"))
+    wandb_yaml = OmegaConf.load(REPO / "conf" / "logger" / "wandb.yaml")
+    node = OmegaConf.merge({"task": {"name": "finetune"}}, {"logger": wandb_yaml})
+    hydra = SimpleNamespace(mode=RunMode.RUN, sweep=SimpleNamespace(dir="multirun/finetune/2026-01-01_00-00-00"))
     monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra))
-    node = OmegaConf.create({"task": {"name": "finetune"}, "group": "${moe_lab.wandb_group:${task.name}}"})
-    assert node.group == "2026-01-01_00-00-00"  # the resolver conf/logger/wandb.yaml uses
-    hydra.mode = RunMode.RUN
-    assert sweep_group("finetune") == "finetune"
-    wandb_yaml = OmegaConf.load(REPO / "conf" / "logger" / "wandb.yaml")
-    assert OmegaConf.to_container(wandb_yaml)["wandb"]["group"] == "${moe_lab.wandb_group:${task.name}}"
+    SweepSummaryCallback().on_job_start(config=node)
+    assert node.logger.wandb.group == "finetune"  # a single run: the task's name
+    hydra.mode = RunMode.MULTIRUN
+    SweepSummaryCallback().on_job_start(config=node)
+    assert node.logger.wandb.group == "2026-01-01_00-00-00"  # a sweep's job: the sweep directory's name
