@@ -1,8 +1,8 @@
 """Token-level distillation losses (spec compression.md 2.9), computed in fp32 and chunked over tokens.
 
 ``kd_loss`` works on logits; ``chunked_head_kd`` takes the final hidden states of both models and applies
-each ``lm_head`` per chunk of tokens, under activation checkpointing for the student, so full-vocabulary fp32
-logits of the whole batch never exist (at most one chunk of each model at a time).
+each ``lm_head`` per chunk of tokens, computing that chunk's gradient at once, so full-vocabulary fp32 logits of
+the whole batch never exist (at most one chunk of each model at a time) and none is recomputed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 
@@ -79,7 +78,7 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: st
     return total / (keep.sum() if normalizer is None else normalizer)
 
 
-def _chunk_loss(h_s, h_t, keep, student_head, teacher_head, kind, temperature, beta, labels):
+def _chunk_terms(h_s, h_t, keep, student_head, teacher_head, kind, temperature, beta, labels):
     logits_s = student_head(h_s)
     with torch.no_grad():
         logits_t = teacher_head(h_t)
@@ -91,31 +90,67 @@ def _chunk_loss(h_s, h_t, keep, student_head, teacher_head, kind, temperature, b
     return div, ce, top1
 
 
+class _FusedChunks(torch.autograd.Function):
+    """Loss sum over token chunks whose gradients (w.r.t. the student's hidden states and head parameters) are
+    computed chunk by chunk in the forward pass, so no chunk's logits outlive it and nothing is recomputed."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, keep, labels, setup, *params):
+        student_head, teacher_head, kind, temperature, beta, w_div, w_ce, step, want = setup
+        grad_h = torch.zeros_like(hs) if want else None
+        grad_p = [torch.zeros_like(p) for p in params] if want else []
+        total = hs.new_zeros((), dtype=torch.float32)
+        div = total.clone()
+        ce = total.clone()
+        top1 = torch.zeros((), dtype=torch.long, device=hs.device)
+        for i in range(0, hs.shape[0], step):
+            lab = None if labels is None else labels[i:i + step]
+            with torch.enable_grad():
+                h = hs[i:i + step].detach().requires_grad_(want)
+                d, c, t = _chunk_terms(h, ht[i:i + step], keep[i:i + step], student_head, teacher_head, kind,
+                                       temperature, beta, lab)
+                loss = w_div * d + w_ce * c
+                if want:
+                    grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
+                    grad_h[i:i + step] = grads[0]
+                    for acc, g in zip(grad_p, grads[1:]):
+                        if g is not None:
+                            acc += g
+            total, div, ce, top1 = total + loss.detach(), div + d.detach(), ce + c.detach(), top1 + t
+        ctx.save_for_backward(*([grad_h, *grad_p] if want else []))
+        ctx.mark_non_differentiable(div, ce, top1)
+        return total, div, ce, top1
+
+    @staticmethod
+    def backward(ctx, g_total, g_div, g_ce, g_top1):
+        saved = ctx.saved_tensors
+        if not saved:
+            return (None,) * len(ctx.needs_input_grad)
+        grad_h, *grad_p = saved
+        return (grad_h * g_total, None, None, None, None, *[g * g_total for g in grad_p])
+
+
 def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,
                     kind: str = "forward_kl", temperature: float = 1.0, mask: torch.Tensor | None = None,
-                    chunk_size: int | None = 1024, beta: float = 0.5, labels: torch.Tensor | None = None):
-    """Token SUMS ``(divergence, cross-entropy, top-1 matches)`` from final hidden states, chunked.
+                    chunk_size: int | None = 1024, beta: float = 0.5, labels: torch.Tensor | None = None,
+                    kd_weight: float = 1.0, ce_weight: float = 1.0):
+    """Token SUMS ``(loss, divergence, cross-entropy, top-1 matches)`` from final hidden states, chunked.
 
-    Each chunk applies both heads, computes the fp32 loss and drops the logits; the student's chunk is
-    checkpointed (its logits are recomputed in backward). ``labels`` (already aligned with positions, -100 =
-    ignored) add the student's cross-entropy sum; otherwise the CE sum is 0.
+    ``loss = kd_weight * divergence + ce_weight * cross-entropy`` carries the gradient (to the student's hidden
+    states and head parameters); the other three are detached. Each chunk applies both heads, computes the fp32
+    loss and its gradient at once and drops the logits, so at most one chunk of full-vocabulary logits of each
+    model exists and none is recomputed in backward. ``labels`` (aligned with positions, -100 = ignored) add
+    the student's cross-entropy; without them it is 0.
     """
+    check_kind(kind)
     hs, ht = _flat(student_hidden), _flat(teacher_hidden)
     keep = _mask(mask, hs.shape[0], hs.device)
     flat_labels = None if labels is None else labels.reshape(-1)
-    step = chunk_size or hs.shape[0]
-    div = hs.new_zeros((), dtype=torch.float32)
-    ce = hs.new_zeros((), dtype=torch.float32)
-    top1 = torch.zeros((), dtype=torch.long, device=hs.device)
-    for i in range(0, hs.shape[0], step):
-        args = (hs[i:i + step], ht[i:i + step], keep[i:i + step], student_head, teacher_head, kind, temperature,
-                beta, None if flat_labels is None else flat_labels[i:i + step])
-        if torch.is_grad_enabled() and hs.requires_grad:
-            d, c, t = checkpoint(_chunk_loss, *args, use_reentrant=False)
-        else:
-            d, c, t = _chunk_loss(*args)
-        div, ce, top1 = div + d, ce + c, top1 + t
-    return div, ce, top1
+    params = [p for p in student_head.parameters() if p.requires_grad]
+    want = torch.is_grad_enabled() and (hs.requires_grad or bool(params))
+    setup = (student_head, teacher_head, kind, float(temperature), float(beta), float(kd_weight),
+             float(ce_weight), int(chunk_size or hs.shape[0]), want)
+    return _FusedChunks.apply(hs, ht, keep, flat_labels, setup, *params)
 
 
 def hidden_mse_sum(student_states: list[torch.Tensor], teacher_states: list[torch.Tensor],

@@ -201,12 +201,12 @@ class KDModule(MoELightningModule):
         shifted = None
         if ratio < 1.0 and labels is not None:
             shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-        div, ce, top1 = chunked_head_kd(
+        loss, div, ce, top1 = chunked_head_kd(
             s_out.last_hidden_state, t_out.last_hidden_state, self.model.get_output_embeddings(),
             self.teacher.get_output_embeddings(), kind=self.kind, temperature=float(self.kd["temperature"]),
-            mask=mask, chunk_size=self.kd["chunk_size"], beta=float(self.kd["beta"]), labels=shifted)
-        loss = ratio * div + (1.0 - ratio) * ce
-        out = {"div": div.detach(), "top1": top1, "tokens": mask.sum(), "ce": ce.detach()}
+            mask=mask, chunk_size=self.kd["chunk_size"], beta=float(self.kd["beta"]), labels=shifted,
+            kd_weight=ratio, ce_weight=1.0 - ratio)
+        out = {"div": div, "top1": top1, "tokens": mask.sum(), "ce": ce}
         if hidden:
             mse = hidden_mse_sum(rec_s.states, rec_t.states, mask)
             loss = loss + float(self.kd["hidden_weight"]) * mse

@@ -83,17 +83,28 @@ def test_chunked_equals_unchunked_loss_and_gradient():
     for kind in ("forward_kl", "reverse_kl", "jsd"):
         full = kd_loss(head_s(h_s), head_t(h_t), kind=kind, mask=mask, normalizer=1.0)
         ce_ref = torch.nn.functional.cross_entropy(head_s(h_s).reshape(-1, 50), labels.reshape(-1), reduction="sum")
-        g_full = torch.autograd.grad(full + ce_ref, [h_s, head_s.weight])
+        g_full = torch.autograd.grad(full + ce_ref, [h_s, head_s.weight], retain_graph=True)
         for chunk in (1, 3, 5, None):
-            div, ce, top1 = chunked_head_kd(h_s, h_t, head_s, head_t, kind=kind, mask=mask, chunk_size=chunk,
-                                            labels=labels)
-            g = torch.autograd.grad(div + ce, [h_s, head_s.weight])
+            loss, div, ce, top1 = chunked_head_kd(h_s, h_t, head_s, head_t, kind=kind, mask=mask,
+                                                  chunk_size=chunk, labels=labels)
+            assert torch.allclose(loss, div + ce)
+            g = torch.autograd.grad(loss, [h_s, head_s.weight])
             # sums of <= 14 fp32 terms of size ~10: reordering error ~ 14 * 1.2e-7 * 10
             assert torch.allclose(div, full, rtol=0, atol=2e-5) and torch.allclose(ce, ce_ref, atol=2e-5)
             for a, b in zip(g, g_full):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
             agree = (head_s(h_s).argmax(-1) == head_t(h_t).argmax(-1))[mask.bool()].sum()
             assert int(top1) == int(agree)
+        # the weights of the two terms reach the gradient
+        loss, div, ce, _ = chunked_head_kd(h_s, h_t, head_s, head_t, kind=kind, mask=mask, chunk_size=3,
+                                           labels=labels, kd_weight=0.25, ce_weight=0.75)
+        g = torch.autograd.grad(loss, h_s)[0]
+        ref = torch.autograd.grad(0.25 * full + 0.75 * ce_ref, h_s)[0]
+        assert torch.allclose(g, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: no gradients computed, same values
+        loss, div, _, _ = chunked_head_kd(h_s, h_t, head_s, head_t, mask=mask, chunk_size=3)
+    assert not loss.requires_grad and torch.allclose(div, kd_loss(head_s(h_s), head_t(h_t), mask=mask,
+                                                                 normalizer=1.0), atol=2e-5)
 
 
 def test_bad_inputs_named():

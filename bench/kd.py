@@ -1,0 +1,150 @@
+"""Distillation benchmarks (method=kd), ratios measured in one run.
+
+1. Peak memory of the KD loss + backward at vocabulary 32k: chunked (``chunked_head_kd``: lm heads applied per
+   chunk of tokens, each chunk's gradient computed at once) against naive (full fp32 logits of both models, then
+   ``kd_loss``). Measured above the inputs (hidden states, heads): CUDA max_memory_allocated, or on CPU the peak
+   RSS of a fresh subprocess per variant. Target: chunked / naive <= 0.35.
+2. One KD step (teacher forward without gradients + student forward/backward + chunked loss, ``KDModule.kd_sums``)
+   against the teacher forward (logits) and a student forward/backward with the causal-LM loss run separately.
+   Models: a random Qwen3-MoE teacher and a dense Qwen3 student of the same width (vocabulary 32k). Minimum of
+   --reps alternating repetitions. Target: KD / (teacher + student) <= 1.1.
+
+    python bench/kd.py [--tokens 4096] [--hidden 512] [--vocab 32000] [--chunk 1024] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+from moe_lab.distill import chunked_head_kd, kd_loss
+
+
+def _inputs(args, device):
+    torch.manual_seed(0)
+    h_s = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
+    h_t = torch.randn(args.tokens, args.hidden, device=device)
+    head_s = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=device)
+    head_t = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=device).requires_grad_(False)
+    return h_s, h_t, head_s, head_t
+
+
+def _loss(variant, args, h_s, h_t, head_s, head_t):
+    if variant == "naive":
+        return kd_loss(head_s(h_s), head_t(h_t))
+    loss, _, _, _ = chunked_head_kd(h_s, h_t, head_s, head_t, chunk_size=args.chunk)
+    return loss / args.tokens
+
+
+def memory_child(args) -> None:
+    """One variant in this process; prints its peak memory above the inputs in MiB."""
+    device = torch.device(args.device)
+    inputs = _inputs(args, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    _loss(args.variant, args, *inputs).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    print(json.dumps({"peak_mib": peak / 2**20}))
+
+
+def memory(args) -> dict:
+    out = {}
+    for variant in ("naive", "chunked"):
+        cmd = [sys.executable, __file__, "--child", "--variant", variant, "--tokens", str(args.tokens), "--hidden",
+               str(args.hidden), "--vocab", str(args.vocab), "--chunk", str(args.chunk), "--device", args.device]
+        out[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["peak_mib"]
+    return out
+
+
+def _models(args, device):
+    common = {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": args.hidden // 8, "num_hidden_layers": args.layers,
+              "max_position_embeddings": args.tokens}
+    teacher_cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=args.hidden // 2, num_experts=16,
+                                              num_experts_per_tok=4, intermediate_size=2 * args.hidden)
+    student_cfg = transformers.Qwen3Config(**common, intermediate_size=2 * args.hidden)
+    torch.manual_seed(0)
+    teacher = transformers.AutoModelForCausalLM.from_config(teacher_cfg).to(device).eval()
+    student = transformers.AutoModelForCausalLM.from_config(student_cfg).to(device).train()
+    return teacher, student
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_time(args) -> dict:
+    from moe_lab.methods.distill import KDModule
+
+    device = torch.device(args.device)
+    teacher, student = _models(args, device)
+    module = KDModule(student, teacher=teacher, options={"chunk_size": args.chunk})
+    ids = torch.randint(3, args.vocab, (args.batch, args.tokens // args.batch), device=device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def kd():
+        module.kd_sums(batch)["loss"].backward()
+
+    def separate():
+        with torch.no_grad():
+            teacher(input_ids=ids, attention_mask=batch["attention_mask"]).logits.float()
+        student(**batch).loss.backward()
+
+    best = {"kd": float("inf"), "separate": float("inf")}
+    for _ in range(args.reps):
+        for name, fn in (("kd", kd), ("separate", separate)):
+            student.zero_grad(set_to_none=True)
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="chunked", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-time", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        return memory_child(args)
+    mem = memory(args)
+    print(f"KD loss+backward peak memory, {args.tokens} tokens x vocab {args.vocab} ({args.device}): naive "
+          f"{mem['naive']:.0f} MiB, chunked ({args.chunk}) {mem['chunked']:.0f} MiB, ratio "
+          f"{mem['chunked'] / mem['naive']:.3f} (target <= 0.35)")
+    if not args.skip_time:
+        t = step_time(args)
+        print(f"KD step {t['kd'] * 1e3:.0f} ms vs teacher forward + student forward/backward {t['separate'] * 1e3:.0f} "
+              f"ms: ratio {t['kd'] / t['separate']:.3f} (target <= 1.1)")
+
+
+if __name__ == "__main__":
+    main()
