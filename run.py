@@ -17,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 NOISE = {  # logger name -> message fragments dropped from the console and run.log
     "lightning.pytorch.utilities.rank_zero": ("litlogger",),
     "DeepSpeed": ("Setting accelerator to CPU",),
+    # a signal is announced by moe-lab's own line (naming the real signal: Lightning calls them all SIGTERM)
+    "lightning.pytorch.trainer.connectors.signal_connector": ("Received SIGTERM",),
 }
 
 

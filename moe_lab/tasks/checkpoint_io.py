@@ -196,7 +196,7 @@ def _save_marked(trainer, ckpt: Path, save=None) -> None:
         _unmark(trainer, ckpt)
     trainer.strategy.barrier("moe_lab.unmark")
     if save is None:
-        trainer.save_checkpoint(ckpt)
+        trainer.save_checkpoint(ckpt, weights_only=False)  # explicit: Lightning logs a line when it is left unset
     else:
         save()
     mark_completed(trainer, ckpt)
