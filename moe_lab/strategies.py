@@ -211,6 +211,29 @@ class KeepFp32Buffers(Callback):
         self.fp32 = {}
 
 
+def gather_full_weights(trainer, module) -> None:
+    """After fit under ZeRO-3 or FSDP (whose parameters are partitions): every rank takes part in gathering the
+    full weights, and rank zero puts CPU copies of them into ``module``'s parameters, so that the export (and
+    anything else rank zero reads after training) sees whole tensors. A no-op under other strategies."""
+    kind = strategy_kind(trainer.strategy)
+    params = list(module.parameters())
+    if kind == "deepspeed_zero3":
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            full = [p.data.detach().cpu().clone() for p in params] if trainer.is_global_zero else None
+    elif kind == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(trainer.strategy.model, writeback=False, rank0_only=True, offload_to_cpu=True):
+            full = [p.data.detach().cpu().clone() for p in params] if trainer.is_global_zero else None
+    else:
+        return
+    if full is not None:
+        for p, value in zip(params, full):
+            p.data = value
+
+
 def optimizer_stepped(trainer) -> bool:
     """True when the ``optimizer_step`` call now running is a real optimizer step. Under DeepSpeed (a strategy
     that handles gradient accumulation) Lightning calls ``optimizer_step`` on every micro-batch and the engine

@@ -157,6 +157,11 @@ engine.save_checkpoint(f"{run}/checkpoints/last.ckpt", tag="checkpoint", client_
     "moe_lab": {"model": cfg.model.name, "method": cfg.method.name}})
 with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage == 3):
     torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, f"{run}/oracle.pt")
+from types import SimpleNamespace
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from moe_lab.strategies import gather_full_weights
+gather_full_weights(SimpleNamespace(strategy=DeepSpeedStrategy(stage=stage), is_global_zero=True), module)
+torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, f"{run}/gathered.pt")
 '''
 
 
@@ -166,7 +171,8 @@ def test_real_zero_checkpoint_converts_to_a_vanilla_hf_export(tmp_path, stage, m
     """DeepSpeed's own engine (CPU accelerator, gloo, one rank; the first run compiles DeepSpeed's shm op, about
     3 min) trains one step and saves a ZeRO checkpoint. Oracle: the engine's weights after that step, gathered
     with deepspeed.zero.GatheredParameters. The converted export loads in vanilla transformers with the same
-    weights bit for bit; read_checkpoint gives every full shape (ZeRO-3 stores partitions)."""
+    weights bit for bit; read_checkpoint gives every full shape (ZeRO-3 stores partitions); gather_full_weights
+    puts the same whole tensors into the module (finetune's export after a ZeRO-3 fit)."""
     from transformers import AutoModelForCausalLM
 
     from moe_lab.methods.base import MoELightningModule  # noqa: F401 - the module class the script builds
@@ -189,6 +195,8 @@ def test_real_zero_checkpoint_converts_to_a_vanilla_hf_export(tmp_path, stage, m
                            str(tmp_path / "export")], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    gathered = torch.load(run / "gathered.pt", weights_only=True)  # what finetune exports after a ZeRO-3 fit
+    assert all(torch.equal(gathered[k], v) for k, v in oracle.items())
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     assert exported and all(torch.equal(v, oracle[f"model.{k}"]) for k, v in exported.items())
     if method == "condenser":  # the fp32 router biases travel with the export

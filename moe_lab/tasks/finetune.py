@@ -19,7 +19,7 @@ from .. import slurm
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
-from ..strategies import build_strategy, config_strategy_kind, prepare
+from ..strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
 from .checkpoint_io import (
     AtomicCheckpointIO,
     CheckpointOnSignal,
@@ -137,6 +137,7 @@ def finetune(cfg: DictConfig) -> dict:
                "interrupted": interrupted}
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     summary["data"] = _data_counts(datamodule)
+    gather_full_weights(trainer, module)  # ZeRO-3 / FSDP: whole tensors on rank zero for the export
     if trainer.is_global_zero:
         summary["plots"] = _collect_metrics(trainer, out, log_scale=bool(cfg.task.get("loss_log_scale", False)))
         if cfg.task.export and not interrupted:
