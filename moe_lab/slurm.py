@@ -95,14 +95,25 @@ class SubmititRequeue:
             signal.signal(signal.SIGUSR1, self.handler)
 
     def __call__(self, signum: int | None) -> None:
+        if signum is None or not in_slurm_job():
+            return
+        # before SLURM's SIGTERM (requeue, preemption) takes the step's processes down, W&B's service among them;
+        # the requeued job continues the same W&B run id
+        _finish_wandb()
         if self.handler is None or signum not in REQUEUE_SIGNALS:
             return
         log.info("%s: checkpoint written, handing over to submitit to requeue this job",
                  signal.Signals(signum).name)
-        wandb = sys.modules.get("wandb")
-        if wandb is not None and wandb.run is not None:  # before `scontrol requeue` kills the step's processes,
-            wandb.finish()  # W&B's service among them; the requeued job continues the same run id
         self.handler(signum, None)
+
+
+def _finish_wandb() -> None:
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        try:
+            wandb.finish()
+        except Exception as err:  # noqa: BLE001 - the checkpoint is written; a lost W&B tail must not fail the job
+            log.warning("W&B run not finished cleanly before the requeue (%s: %s)", type(err).__name__, err)
 
 
 def _tasks(devices) -> int:
