@@ -250,6 +250,18 @@ def condense(model: nn.Module, calibration: Calibration | None, layers: Sequence
 
 
 # export / reload ----------------------------------------------------------------------------------------------
+def write_manifest(model: nn.Module, path, extra: dict | None = None) -> Path:
+    """Write ``condense_manifest.json`` (layers, retained expert ids, gates, dtype) into ``path``."""
+    record = getattr(model, "moe_lab_condense", None)
+    if not record:
+        raise ValueError("a condensed export needs a model returned by condense() or load_condensed()")
+    manifest = {"method": "cd_moe", "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "layers": record, **(extra or {})}
+    target = Path(path) / CONDENSE_FILE
+    target.write_text(json.dumps(manifest, indent=1))
+    return target
+
+
 def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None = None) -> Path:
     """Write a condensed model: config (the original architecture), ONLY the retained experts' weights and
     ``condense_manifest.json`` (layers, expert ids, gates). Reload with :func:`load_condensed`."""
@@ -269,9 +281,7 @@ def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None 
             state[key] = state[key].clone()
         seen.setdefault(ptr, key)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    manifest = {"method": "cd_moe", "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                "layers": record, **(extra or {})}
-    (path / CONDENSE_FILE).write_text(json.dumps(manifest, indent=1))
+    write_manifest(model, path, extra)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
@@ -297,7 +307,9 @@ def load_condensed(path, device=None) -> nn.Module:
         gates = torch.zeros(E, dtype=torch.float64)
         gates[torch.tensor(info["experts"], dtype=torch.long)] = torch.tensor(info["gates"], dtype=torch.float64)
         replace_module(model, view.name, build_condensed(view, None, info["experts"], gates=gates))
-    state = load_file(str(path / "model.safetensors"))
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):  # one file (export_condensed) or save_pretrained shards
+        state.update(load_file(str(file)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight") or not config.tie_word_embeddings]
     if missing or unexpected:

@@ -1,0 +1,61 @@
+"""Lightweight SFT of a CD-MoE model (spec compression.md 3.8): only the retained experts of the condensed
+layers train (their packed slices + the shared expert; its Qwen2-MoE sigmoid gate too); routers, fixed
+gates, attention, embeddings, norms and every other layer stay frozen.
+
+``method=condense_sft method.options.condensed=<task=condense run>/export``: the condensed model is loaded from
+that export (``load_condensed``) in place of ``cfg.model``'s weights (``model=`` must name the same base
+model: its tokenizer is used); the non-condensed MoE layers are patched as for ``method=sft``. The export
+after training is the same format (``load_condensed`` reads it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..compress.condense import CondensedLayer, export_condensed, load_condensed
+from .base import MoELightningModule
+
+
+def condensed_trainable(model: torch.nn.Module) -> list[str]:
+    """Freeze everything but the parameters of the model's :class:`CondensedLayer` modules; their names."""
+    keep = {id(p) for m in model.modules() if isinstance(m, CondensedLayer) for p in m.parameters()}
+    if not keep:
+        raise ValueError("method=condense_sft: the model has no condensed layer (method.options.condensed must be "
+                         "a task=condense export directory)")
+    names = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(id(p) in keep)
+        if id(p) in keep:
+            names.append(name)
+    return names
+
+
+class CondenseSFTModule(MoELightningModule):
+    """:class:`MoELightningModule` on the condensed model of ``options.condensed``, condensed experts only."""
+
+    def __init__(self, model: torch.nn.Module, options: dict | None = None, **kwargs):
+        options = dict(options or {})
+        path = options.pop("condensed", None)
+        if not path:
+            raise ValueError("method=condense_sft needs method.options.condensed=<task=condense run>/export")
+        base = model.config.model_type
+        dtype = next(model.parameters()).dtype
+        condensed = model = load_condensed(path).to(dtype)  # the base weights are replaced (and released)
+        if condensed.config.model_type != base:
+            raise ValueError(f"method.options.condensed={path} is a {condensed.config.model_type} model but "
+                             f"model= is {base}: pass the base model the export was condensed from")
+        kwargs.setdefault("method", "sft")
+        super().__init__(condensed, options=options, **kwargs)
+        self.trainable_names = condensed_trainable(condensed)
+        self.patch.export_hooks.append(lambda directory: _rewrite_export(condensed, directory))
+        self.hparams["options"] = {"condensed": str(path), **options}
+
+
+def _rewrite_export(model: torch.nn.Module, directory) -> None:
+    """Replace save_pretrained's weights (HF converts packed experts to its hub layout on save, which the
+    condensed layers do not have) by :func:`export_condensed`'s single file + manifest."""
+    for file in [*Path(directory).glob("*.safetensors"), *Path(directory).glob("*.safetensors.index.json")]:
+        file.unlink()
+    export_condensed(model, directory)
