@@ -203,6 +203,8 @@ def build_condensed(view: MoELayerView, calibration: Calibration | None, experts
                     fallback: str = "exclude", gates: torch.Tensor | None = None) -> CondensedLayer:
     """The condensed module of one layer (gates from ``calibration`` unless ``gates`` [E] is given)."""
     experts = [int(e) for e in experts]
+    if gates is None and not experts:  # CD-MoE-S: shared path only, no gate needed
+        gates = torch.zeros(view.num_experts, dtype=torch.float64)
     if gates is None:
         if calibration is None:
             raise ValueError("condensing with retained experts needs a calibration file (fixed gates)")
@@ -323,3 +325,54 @@ def load_condensed(path, device=None) -> nn.Module:
 
 __all__ = ["CondensedLayer", "condense", "export_condensed", "fixed_gates", "js_divergence", "load_condensed"]
 
+
+
+@torch.no_grad()
+def to_vanilla(model: nn.Module) -> nn.Module:
+    """The condensed model as a VANILLA HF model of its own family, where the family allows per-layer dense FFNs
+    (a config with ``mlp_only_layers``, e.g. Qwen3-MoE) and the condensed layers have no gated shared expert:
+    each condensed layer becomes a dense SwiGLU of width K_r*I (down blocks scaled by g_i), every dense FFN
+    zero-padded to the common ``intermediate_size`` (exact). Other families: :func:`export_condensed`."""
+    from .dense import build_uninitialised
+
+    record = getattr(model, "moe_lab_condense", None)
+    config = model.config
+    if not record:
+        raise ValueError("to_vanilla needs a model returned by condense() or load_condensed()")
+    if not hasattr(config, "mlp_only_layers"):
+        raise ValueError(f"{config.model_type} has no per-layer dense FFN (mlp_only_layers): export with "
+                         "export_condensed and reload with load_condensed")
+    layers = {int(i): model.get_submodule(info["name"]) for i, info in record.items()}
+    if any(m.shared_attr for m in layers.values()):
+        raise ValueError(f"{config.model_type}: condensed layers keep the shared expert (Qwen2-MoE: with its token-wise "
+                         "sigmoid gate), which one vanilla dense MLP cannot express: use export_condensed")
+    widths = [m.down_proj.shape[0] * m.down_proj.shape[2] for m in layers.values()]
+    dense_before = [int(i) for i in config.mlp_only_layers]
+    width = max([*widths, int(config.intermediate_size) if dense_before else 0, 1])
+    values = config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        values.pop(key, None)
+    values.update({"mlp_only_layers": sorted({*dense_before, *layers}), "intermediate_size": width})
+    vanilla = build_uninitialised(type(config)(**values), next(model.parameters()).dtype)
+    vanilla.to(next(model.parameters()).device).eval()
+    source = model.state_dict()
+    prefixes = {record[str(i)]["name"] + "." for i in layers}
+    for name, tensor in vanilla.state_dict().items():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            continue
+        src = source[name]
+        tensor.zero_()
+        tensor[tuple(slice(0, s) for s in src.shape)].copy_(src)  # dense layers: zero-padded (exact)
+    for i, module in layers.items():
+        mlp = vanilla.get_submodule(record[str(i)]["name"])
+        gate, up = module.gate_up_proj.chunk(2, dim=1)  # [K, I, H] each
+        K, I, H = gate.shape
+        down = (module.down_proj * module.gates.view(-1, 1, 1)).permute(1, 0, 2).reshape(H, K * I)
+        for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            proj.weight.zero_()
+        mlp.gate_proj.weight[: K * I].copy_(gate.reshape(K * I, H))
+        mlp.up_proj.weight[: K * I].copy_(up.reshape(K * I, H))
+        mlp.down_proj.weight[:, : K * I].copy_(down)
+    vanilla.moe_lab_manifest = {"method": "cd_moe", "layers": record}
+    return vanilla

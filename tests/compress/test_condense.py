@@ -303,3 +303,23 @@ def test_layer_trim_and_block_influence(ds):
     with torch.no_grad():
         kw = {"input_ids": batch["input_ids"], "use_cache": False}
         assert torch.equal(skipped(**kw).logits, shorter(**kw).logits)
+
+
+def test_vanilla_export_qwen3_moe(tmp_path):
+    """Qwen3-MoE (no shared expert, mlp_only_layers): condensed layers become vanilla dense MLPs."""
+    import transformers
+
+    from moe_lab.compress.condense import to_vanilla
+
+    model = build_tiny("qwen3_moe").eval()
+    cal = calibrate(model, batches(1))
+    m = condense(model, cal, [1], {1: [1, 4]})
+    batch = random_batch(2, 8, seed=3)
+    ref = logits(m, batch)
+    vanilla = to_vanilla(m)
+    vanilla.save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config.mlp_only_layers == [0, 1] and type(back.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
+    assert torch.allclose(logits(back, batch), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="load_condensed"):
+        to_vanilla(condense(build_tiny("deepseek_v2").eval(), None, [1]))
