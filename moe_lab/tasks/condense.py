@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..compress.calibration import Calibration
-from ..compress.condense import condense, export_condensed
+from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
     EXPERT_BASELINES,
     LAYER_METHODS,
@@ -24,6 +24,7 @@ from ..compress.condense_search import (
     trim,
     trim_order,
 )
+from ..compress.dense import export_compressed
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
@@ -76,6 +77,26 @@ def _layer_order(model, calibration, batches, experts, c) -> tuple[list[int], li
     return search.greedy(n)
 
 
+def _export(model, tokenizer, c, calibration, path: Path) -> tuple[str, str]:
+    """``condense.export``: auto (vanilla HF where :func:`to_vanilla` can express it, else the condensed
+    format), vanilla, or condensed (``load_condensed``)."""
+    fmt = "auto" if c.export is True else str(c.export)
+    if fmt not in ("auto", "vanilla", "condensed"):
+        raise ValueError(f"condense.export={c.export!r}: choose true/auto, vanilla, condensed or false")
+    extra = {"knobs": to_plain(c), "calibration": calibration.manifest}
+    if fmt != "condensed":
+        try:
+            vanilla = to_vanilla(model)
+        except ValueError as error:
+            if fmt == "vanilla":
+                raise
+            log.info("condensed export (no vanilla form: %s)", error)
+        else:
+            vanilla.moe_lab_manifest.update(extra)
+            return str(export_compressed(vanilla, path, tokenizer)), "vanilla"
+    return str(export_condensed(model, path, tokenizer, extra=extra)), "condensed"
+
+
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -110,8 +131,7 @@ def condense_task(cfg: DictConfig) -> dict:
                "layer_search_s": round(time.time() - searched, 2)}
     print(f"==== moe-lab condense ({c.method}): layers {order}, memory ratio {100 * after / before:.2f}%", flush=True)
     if c.export and c.method == "cd_moe":
-        summary["export"] = str(export_condensed(model, out / "export", tokenizer,
-                                                 extra={"knobs": to_plain(c), "calibration": calibration.manifest}))
+        summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
         from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
 

@@ -42,6 +42,7 @@ def test_condense_task_searches_condenses_and_exports(tmp_path):
     removed = (E - 2) * 3 * I * H + E * H  # routed experts dropped + router
     total = sum(p.numel() for p in model.parameters())
     assert summary["params_before"] == total and summary["params_after"] == total - removed
+    assert summary["export_format"] == "condensed"  # DeepSeek-V2: no per-layer dense FFN width
     back = load_condensed(summary["export"])
     assert back.get_submodule(f"model.layers.{layer}.mlp").expert_ids.tolist() == summary["experts"][str(layer)]
     Calibration.load(cal["calibration"]).check_compatible(model)
