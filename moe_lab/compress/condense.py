@@ -234,8 +234,8 @@ def condense(model: nn.Module, calibration: Calibration | None, layers: Sequence
     experts: ``{layer: ordered retained ids}`` (CD-MoE-SR; lists from :func:`greedy_expert_search`), or None / 0
     for CD-MoE-S (shared path only). ``model.moe_lab_condense`` records layers, experts and gates.
     """
-    if calibration is not None:
-        calibration.check_compatible(model)
+    if calibration is not None and not getattr(model, "moe_lab_condense", None):
+        calibration.check_compatible(model)  # (a second call sees fewer MoE layers than were calibrated)
     views = moe_views(model)
     layers = check_layers(model, views, layers)
     experts = {} if experts is None or isinstance(experts, int) and experts == 0 else experts

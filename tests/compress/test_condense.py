@@ -323,3 +323,12 @@ def test_vanilla_export_qwen3_moe(tmp_path):
     assert torch.allclose(logits(back, batch), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="load_condensed"):
         to_vanilla(condense(build_tiny("deepseek_v2").eval(), None, [1]))
+
+
+def test_condense_twice_equals_once(ds):
+    model, cal = ds
+    batch = random_batch(2, 8, seed=8)
+    once = condense(copy.deepcopy(model), cal, [1, 2], {1: [0], 2: [3]})
+    twice = condense(condense(copy.deepcopy(model), cal, [1], {1: [0]}), cal, [2], {2: [3]})
+    assert torch.equal(logits(once, batch), logits(twice, batch))
+    assert set(twice.moe_lab_condense) == {"1", "2"}
