@@ -137,8 +137,10 @@ class ExpertSearch:
     outputs cached once); ``cached=False``: condense the layer in the model and run the full forward."""
 
     def __init__(self, model: nn.Module, calibration: Calibration, view: MoELayerView, cache: LayerCache,
-                 batches, *, cached: bool = True, metric: str = "js", fallback: str = "exclude"):
+                 batches, *, cached: bool = True, metric: str = "js", fallback: str = "exclude",
+                 store_outputs: bool = True):
         self.model, self.calibration, self.view, self.cache = model, calibration, view, cache
+        self.store_outputs = store_outputs
         self.batches, self.cached, self.metric, self.fallback = batches, cached, metric, fallback
         self.gates, self.valid = fixed_gates(calibration, view.index, fallback)
         if cached:
@@ -147,8 +149,15 @@ class ExpertSearch:
                 x = cache.x.to(dtype)
                 shared = build_condensed(view, None, [], gates=self.gates).shared_out(x)
                 self.base = cache.out - cache.y + (0 if shared is None else shared.float())
-                if cache.f is None:
+                if cache.f is None and store_outputs:
                     cache.f = torch.stack([expert_forward(view, e, x).float() for e in range(view.num_experts)])
+
+    def expert_output(self, e: int) -> torch.Tensor:
+        """f_e on the calibration tokens [N, H] fp32: cached, or one expert forward (``store_outputs=False``:
+        memory N*H instead of E*N*H)."""
+        if self.cache.f is not None:
+            return self.cache.f[e]
+        return expert_forward(self.view, e, self.cache.x.to(self.view.gate_up_proj.dtype)).float()
 
     @torch.no_grad()
     def losses(self, chosen: Sequence[int]) -> torch.Tensor:
@@ -160,12 +169,12 @@ class ExpertSearch:
             g = self.gates.float()
             acc = self.base.clone()
             for e in chosen:
-                acc += g[e] * self.cache.f[e]
+                acc += g[e] * self.expert_output(e)
         for e in range(E):
             if e in chosen or not bool(self.valid[e]):
                 continue
             if self.cached:
-                tmp = acc + self.gates[e].float() * self.cache.f[e]
+                tmp = acc + self.gates[e].float() * self.expert_output(e)
             else:
                 tmp = self._forward([*chosen, e])
             out[e] = _loss(self.cache.out, tmp, self.cache, self.metric)
@@ -214,9 +223,10 @@ def layer_output_with(model: nn.Module, view: MoELayerView, module: nn.Module, b
 
 def greedy_expert_search(model: nn.Module, calibration: Calibration, batches, routed: int,
                          layers: Sequence[int] | None = None, *, cached: bool = True, metric: str = "js",
-                         fallback: str = "exclude") -> dict[int, list[int]]:
+                         fallback: str = "exclude", store_outputs: bool = True) -> dict[int, list[int]]:
     """Per MoE layer, the ordered greedy list of ``routed`` (K_r) experts minimising the JS at that layer's
-    output (spec 3.5; other layers routed). Step losses are in ``result.losses`` ({layer: [float]})."""
+    output (spec 3.5; other layers routed). Step losses are in ``result.losses`` ({layer: [float]}).
+    ``store_outputs=False`` recomputes each candidate's expert output instead of keeping all E of them."""
     require_search_stats(calibration)
     calibration.check_compatible(model)
     batches = list(batches)
@@ -226,7 +236,7 @@ def greedy_expert_search(model: nn.Module, calibration: Calibration, batches, ro
     for layer in layers:
         cache = capture(model, batches, [layer])[layer]
         search = ExpertSearch(model, calibration, views[layer], cache, batches, cached=cached, metric=metric,
-                              fallback=fallback)
+                              fallback=fallback, store_outputs=store_outputs)
         result[layer], losses[layer] = search.run(routed)
     result.losses = losses
     return result

@@ -237,6 +237,7 @@ def test_cached_search_equals_full_forward(ds):
     lists3 = greedy_expert_search(model, cal, data, 3, [layer])
     lists2 = greedy_expert_search(model, cal, data, 2, [layer])
     assert lists3[layer][:2] == chosen and lists2[layer] == chosen
+    assert greedy_expert_search(model, cal, data, 3, [layer], store_outputs=False) == lists3
     single = fast.losses([])
     assert float(single[chosen[0]]) == float(single.min())
 
