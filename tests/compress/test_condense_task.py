@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from moe_lab.compress import Calibration, load_condensed
@@ -17,7 +16,6 @@ def _compose(tmp_path, *overrides):
         return compose("config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
 
-@pytest.mark.slow
 def test_condense_task_searches_condenses_and_exports(tmp_path):
     from moe_lab.models import load_model
     from moe_lab.tasks import run_task
