@@ -223,7 +223,7 @@ def test_signal_writes_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     ckpt = tmp_path / "b" / "last.ckpt"
     on_signal = CheckpointOnSignal(ckpt)
     with pytest.raises(SIGTERMException):
-        _fit(tmp_path / "b", 6, [on_signal, _SendSignal(signum, 2)])
+        _fit(tmp_path / "b", 6, [_SendSignal(signum, 2), on_signal])  # the signal comes during step 2
     assert on_signal.signum == signum and on_signal.saved == ckpt
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored after fit

@@ -110,11 +110,12 @@ class CheckpointOnSignal(Callback):
     """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a scheduler's warning) stop training after the current optimizer
     step and write ``ckpt_path`` before the process exits; a second Ctrl-C aborts at once.
 
-    Lightning already turns SIGTERM into a ``SIGTERMException`` at the end of a training step (synchronised
-    across DDP ranks); SIGINT and SIGUSR1 are routed to its handler. In one process the checkpoint is written in
-    ``on_train_batch_end``, where ``ModelCheckpoint`` writes its own (so a resume logs at the same steps as an
-    uninterrupted run); otherwise, and under DDP (all ranks stop together), in ``on_exception``. ``signum`` is
-    the signal received (None: none).
+    Lightning turns SIGTERM into a ``SIGTERMException`` at the end of a training step (synchronised across DDP
+    ranks); SIGINT and SIGUSR1 are routed to its handler. In one process the signal is passed on only after the
+    checkpoint is written in the next ``on_train_batch_end``, where ``ModelCheckpoint`` writes its own (a
+    checkpoint written later, e.g. when Lightning stops inside a validation loop, would shift the steps a resumed
+    run logs at by one). Under DDP the signal is passed on at once and every rank writes in ``on_exception``.
+    ``signum`` is the signal received (None: none).
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -124,10 +125,12 @@ class CheckpointOnSignal(Callback):
         self.signum: int | None = None
         self.saved: Path | None = None
         self._lightning_handler = None
+        self._defer = True
 
     def on_train_start(self, trainer, pl_module) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self._defer = trainer.world_size == 1
         self._lightning_handler = signal.getsignal(signal.SIGTERM)  # installed by the Trainer for this fit
         for name in self.SIGNALS:
             if hasattr(signal, name):
@@ -142,13 +145,18 @@ class CheckpointOnSignal(Callback):
         if self.ckpt_path is not None:
             print(f"\n{signal.Signals(signum).name} received: finishing this step, then writing "
                   f"{self.ckpt_path} (press Ctrl-C again to abort without it)", file=sys.stderr, flush=True)
+        if not self._defer:
+            self._stop(frame)
+
+    def _stop(self, frame=None) -> None:
         if callable(self._lightning_handler):
             self._lightning_handler(signal.SIGTERM, frame)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.signum is not None and self.saved is None and trainer.world_size == 1:
+        if self.signum is not None and self.saved is None and self._defer:
             _save_marked(trainer, self.ckpt_path)
             self.saved = self.ckpt_path
+            self._stop()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException) and self.signum is not None and self.saved is None:
