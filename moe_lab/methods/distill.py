@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 LOSSES = {"forward_kl": "forward_kl", "fkl": "forward_kl", "reverse_kl": "reverse_kl", "rkl": "reverse_kl",
           "jsd": "jsd", "fkl_hidden": "forward_kl"}
 DEFAULTS = {"loss": "forward_kl", "temperature": 1.0, "beta": 0.5, "hidden_weight": 1.0, "kd_ratio": 1.0,
-            "chunk_size": 1024, "teacher_top_k": None, "teacher_weight_rule": "family"}
+            "chunk_size": 1024, "teacher_top_k": None, "teacher_weight_rule": "family", "teacher_logits": None}
 
 
 class _DensePatch:
@@ -93,7 +93,9 @@ class KDModule(MoELightningModule):
     ``teacher``: a loaded module, a ``conf/model`` entry or a checkpoint path. ``options``: loss
     (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight (fkl_hidden),
     kd_ratio (weight of the KD term; 1 - kd_ratio on the student's CE on labels), chunk_size (tokens per
-    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw).
+    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw),
+    teacher_logits (a file from ``moe_lab.distill.teacher_logits.record_teacher`` over the training data in
+    dataloader order: no live teacher; consumed token by token, so no shuffling).
     """
 
     def __init__(self, model, teacher=None, options: dict | None = None, optim: dict | None = None,
@@ -131,16 +133,54 @@ class KDModule(MoELightningModule):
                                        "optim": self.optim, "scheduler": self.scheduler_cfg,
                                        "gradient_checkpointing": gradient_checkpointing,
                                        "master_weights": master_weights})
-        self._teacher = [load_teacher(teacher)]  # a list: not a submodule (never trained, never checkpointed)
+        self.record, self._record_offset = None, 0
+        if self.kd["teacher_logits"]:
+            self._use_record()
+            self._teacher = [None]
+        else:
+            self._teacher = [load_teacher(teacher)]  # a list: not a submodule (never trained or checkpointed)
         self.teacher_patch = None
         if self.kd["teacher_top_k"] is not None:
             self.teacher_patch = widen_teacher(self.teacher, int(self.kd["teacher_top_k"]),
                                                self.kd["teacher_weight_rule"])
-        self._check_pair()
+        if self.record is None:
+            self._check_pair()
         self._window_sum = 0.0
         self._window_tokens = 0
         self.last_finite_loss = None
         self.kd_stats: dict[str, float] = {}
+
+    def _use_record(self) -> None:
+        from ..distill.teacher_logits import load
+
+        if self.uses_hidden or self.kd["teacher_top_k"] is not None or float(self.kd["kd_ratio"]) != 1.0:
+            raise ValueError("method.options.teacher_logits (a precomputed teacher) works with a logit loss only: "
+                             "unset fkl_hidden / teacher_top_k / kd_ratio < 1")
+        self.record = load(self.kd["teacher_logits"])
+        width = self.record["logits" if "logits" in self.record else "values"]
+        vs = self.model.get_output_embeddings().weight.shape[0]
+        if "logits" in self.record and width.shape[-1] != vs:
+            raise ValueError(f"student vocabulary {vs} != teacher vocabulary {width.shape[-1]} (teacher_logits)")
+
+    def _record_kd(self, batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """KD against the next rows of the teacher record (recorded in this dataloader's order)."""
+        from ..distill.teacher_logits import kd_loss_from_record
+
+        n = int(mask.sum())
+        key = "logits" if "logits" in self.record else "values"
+        total = self.record[key].shape[0]
+        if self._record_offset + n > total:
+            raise ValueError(f"method.options.teacher_logits holds {total} tokens; the data asks for more (token "
+                             f"{self._record_offset + n}): record the teacher over the whole training data")
+        part = {k: v[self._record_offset:self._record_offset + n] for k, v in self.record.items()}
+        self._record_offset += n
+        inputs = model_inputs(batch)
+        inputs.pop("labels", None)
+        with self.patch.context.real_tokens(mask):
+            logits = self.model(**inputs).logits
+        div = kd_loss_from_record(logits, part, kind=self.kind, temperature=float(self.kd["temperature"]),
+                                  mask=mask) * n
+        return {"loss": div, "div": div.detach(), "tokens": mask.sum()}
 
     @property
     def teacher(self):
@@ -173,6 +213,8 @@ class KDModule(MoELightningModule):
         return [KDMetrics()]
 
     def _move_teacher(self) -> None:
+        if self.teacher is None:
+            return
         if next(self.teacher.parameters()).device != self.device:
             self.teacher.to(self.device)
         self.teacher.eval()
@@ -190,6 +232,8 @@ class KDModule(MoELightningModule):
         """Token sums of one micro-batch: ``loss`` (to be divided by the global token count), ``div``,
         ``kl`` (forward KL at tau = 1, monitoring), ``top1`` matches, ``hidden`` MSE, ``ce``, ``tokens``."""
         mask = real_token_mask(batch).bool()
+        if self.record is not None:
+            return self._record_kd(batch, mask)
         inputs = model_inputs(batch)
         labels = inputs.pop("labels", None)
         hidden = self.uses_hidden
