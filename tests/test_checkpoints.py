@@ -208,3 +208,14 @@ def test_convert_refuses_a_file_checkpoint(tmp_path):
     path.mkdir()
     with pytest.raises(ValueError, match="not a DeepSpeed checkpoint directory"):
         convert_zero_checkpoint(path, tmp_path / "out")
+
+
+def test_resume_by_run_dir_finds_a_deepspeed_checkpoint_directory(tmp_path):
+    from omegaconf import OmegaConf
+
+    from moe_lab.tasks.resume import resume_checkpoint
+
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    (ckpt / "checkpoint").mkdir(parents=True)  # DeepSpeed writes last.ckpt as a directory
+    cfg = OmegaConf.create({"task": {"resume": str(tmp_path), "ckpt_path": None}})
+    assert resume_checkpoint(cfg) == (ckpt, "task.resume")

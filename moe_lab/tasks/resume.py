@@ -31,7 +31,7 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
         path = Path(str(resume)).expanduser()
         if path.is_dir():
             ckpt = path / "checkpoints" / "last.ckpt"
-            if not ckpt.is_file():
+            if not ckpt.exists():  # a file, or a DeepSpeed checkpoint directory
                 raise FileNotFoundError(f"task.resume={resume}: {ckpt} does not exist (the run wrote no checkpoint "
                                         "yet; checkpoints come every task.checkpoint_every_n_steps and on Ctrl-C)")
             return ckpt, "task.resume"
