@@ -138,9 +138,14 @@ class ExpertSearch:
 
     def __init__(self, model: nn.Module, calibration: Calibration, view: MoELayerView, cache: LayerCache,
                  batches, *, cached: bool = True, metric: str = "js", fallback: str = "exclude",
-                 store_outputs: bool = True):
+                 store_outputs: bool = True, hf_hidden_states: bool = False):
         self.model, self.calibration, self.view, self.cache = model, calibration, view, cache
         self.store_outputs = store_outputs
+        # [CD-code] quirk (A4-1): HF's last hidden_states entry is post-final-norm, so the last layer's search
+        # reads norm(output); off by default (the hook reads the layer output itself)
+        last = view.index == model.config.num_hidden_layers - 1
+        self.post = _backbone(model).norm if hf_hidden_states and last else None
+        self.ref = self._post(cache.out)
         self.batches, self.cached, self.metric, self.fallback = batches, cached, metric, fallback
         self.gates, self.valid = fixed_gates(calibration, view.index, fallback)
         if cached:
@@ -160,6 +165,12 @@ class ExpertSearch:
         return expert_forward(self.view, e, self.cache.x.to(self.view.gate_up_proj.dtype)).float()
 
     @torch.no_grad()
+    def _post(self, out: torch.Tensor) -> torch.Tensor:
+        if self.post is None:
+            return out
+        return self.post(out.to(self.view.gate_up_proj.dtype)).float()
+
+    @torch.no_grad()
     def losses(self, chosen: Sequence[int]) -> torch.Tensor:
         """Loss [E] of condensing the layer to ``chosen`` + each candidate (inf: chosen or ineligible)."""
         E = self.view.num_experts
@@ -177,7 +188,7 @@ class ExpertSearch:
                 tmp = acc + self.gates[e].float() * self.expert_output(e)
             else:
                 tmp = self._forward([*chosen, e])
-            out[e] = _loss(self.cache.out, tmp, self.cache, self.metric)
+            out[e] = _loss(self.ref, self._post(tmp), self.cache, self.metric)
         return out
 
     def _forward(self, experts: list[int]) -> torch.Tensor:
@@ -223,10 +234,12 @@ def layer_output_with(model: nn.Module, view: MoELayerView, module: nn.Module, b
 
 def greedy_expert_search(model: nn.Module, calibration: Calibration, batches, routed: int,
                          layers: Sequence[int] | None = None, *, cached: bool = True, metric: str = "js",
-                         fallback: str = "exclude", store_outputs: bool = True) -> dict[int, list[int]]:
+                         fallback: str = "exclude", store_outputs: bool = True, hf_hidden_states: bool = False
+                         ) -> dict[int, list[int]]:
     """Per MoE layer, the ordered greedy list of ``routed`` (K_r) experts minimising the JS at that layer's
     output (spec 3.5; other layers routed). Step losses are in ``result.losses`` ({layer: [float]}).
-    ``store_outputs=False`` recomputes each candidate's expert output instead of keeping all E of them."""
+    ``store_outputs=False`` recomputes each candidate's expert output instead of keeping all E of them;
+    ``hf_hidden_states=True`` reproduces [CD-code]'s post-final-norm reading at the last layer (A4-1)."""
     require_search_stats(calibration)
     calibration.check_compatible(model)
     batches = list(batches)
@@ -236,7 +249,7 @@ def greedy_expert_search(model: nn.Module, calibration: Calibration, batches, ro
     for layer in layers:
         cache = capture(model, batches, [layer])[layer]
         search = ExpertSearch(model, calibration, views[layer], cache, batches, cached=cached, metric=metric,
-                              fallback=fallback, store_outputs=store_outputs)
+                              fallback=fallback, store_outputs=store_outputs, hf_hidden_states=hf_hidden_states)
         result[layer], losses[layer] = search.run(routed)
     result.losses = losses
     return result

@@ -56,7 +56,8 @@ def _expert_lists(model, calibration, batches, c) -> tuple[dict, dict]:
         return {}, {}
     if c.expert_selection == "greedy":
         lists = greedy_expert_search(model, calibration, batches, routed, metric=c.expert_metric,
-                                     fallback=c.fallback_gate, store_outputs=bool(c.store_expert_outputs))
+                                     fallback=c.fallback_gate, store_outputs=bool(c.store_expert_outputs),
+                                     hf_hidden_states=bool(c.hf_hidden_states))
         return dict(lists), lists.losses
     return expert_baseline(model, calibration, c.expert_selection, routed, seed=int(c.seed),
                            fallback=c.fallback_gate), {}

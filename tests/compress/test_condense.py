@@ -333,3 +333,22 @@ def test_condense_twice_equals_once(ds):
     twice = condense(condense(copy.deepcopy(model), cal, [1], {1: [0]}), cal, [2], {2: [3]})
     assert torch.equal(logits(once, batch), logits(twice, batch))
     assert set(twice.moe_lab_condense) == {"1", "2"}
+
+
+def test_hf_hidden_states_quirk_reads_post_norm_at_last_layer(ds):
+    model, cal = ds
+    data = batches(1)
+    view = find_moe_layers(model)[-1]
+    cache = capture(model, data, [view.index])[view.index]
+    quirk = ExpertSearch(model, cal, view, cache, data, hf_hidden_states=True)
+    b = data[0]
+    with torch.no_grad():
+        hs = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True)
+    final = hs.hidden_states[-1][b["attention_mask"].bool()]
+    assert torch.allclose(quirk.ref, final, atol=1e-5)
+    fast, slow = quirk.losses([]), ExpertSearch(model, cal, view, cache, data, cached=False,
+                                                hf_hidden_states=True).losses([])
+    finite = torch.isfinite(slow)
+    assert torch.allclose(fast[finite], slow[finite], rtol=1e-4, atol=1e-9)
+    plain = ExpertSearch(model, cal, view, cache, data).losses([])
+    assert not torch.allclose(plain[finite], fast[finite])
