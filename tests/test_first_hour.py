@@ -354,3 +354,18 @@ def test_progress_log_never_stays_silent_longer_than_max_silence(caplog):
     caplog.clear()
     quiet.on_train_batch_end(trainer, None, None, None, 3)
     assert caplog.records == []
+
+
+def test_debug_fast_with_no_callbacks_instantiates_none():
+    """debug=fast tunes callbacks.expert_load; with callbacks=none that leftover has no _target_ to build."""
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.tasks.finetune import _instantiate_all
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=fast", "callbacks=none"])
+    assert "_target_" not in cfg.callbacks.expert_load
+    assert _instantiate_all(cfg.callbacks) == []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=fast"])
+    assert any(type(c).__name__ == "ExpertLoadCallback" for c in _instantiate_all(cfg.callbacks))

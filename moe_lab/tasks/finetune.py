@@ -39,7 +39,11 @@ class RunInterrupted(SystemExit):
 
 def _instantiate_all(group) -> list:
     out = []
-    for node in (group or {}).values():
+    for name, node in (group or {}).items():
+        if node is not None and "_target_" not in node:
+            # settings left by an override (e.g. debug=fast) for a callback the chosen group does not have
+            log.info("callbacks.%s has settings but no _target_ (not in the chosen callbacks group): skipped", name)
+            continue
         if node is not None:
             made = instantiate(node)
             out.extend(made if isinstance(made, (list, tuple)) else [made])
