@@ -64,6 +64,22 @@ EXPECTED = {
 }
 TINY = {"tiny_grid", "condenser/tiny_grid"}  # CPU stand-ins: composed and run, no paper values
 
+# compression presets (../shared/specs/compression.md): [P2] distillation recipe (2.11) and CD-MoE (3.3, 3.9)
+KD_RECIPE = {"lr": 1e-4, "wd": 0.01, "betas": [0.9, 0.95], "warmup_steps": 20, "schedule": "cosine", "min_lr_ratio": 0.1,
+                 "global_batch": 384, "block": 4096, "steps": 200, "calib": (512, 2048), "loss": "forward_kl"}
+COMPRESSION = {
+    "moe_to_dense/qwen3_30b_a3b": dict(KD_RECIPE, model="Qwen/Qwen3-30B-A3B", K=8),  # best Table-12 cell K
+    "moe_to_dense/deepseek_v2_lite": dict(KD_RECIPE, model=DSV2, K=6),
+    "moe_to_dense/gpt_oss_20b": dict(KD_RECIPE, model="openai/gpt-oss-20b", K=4),
+    # CD-MoE: S keeps no routed expert, SR keeps the active routed count (DeepSeek 6, Qwen1.5 4); C4 search data
+    # 100 documents x 256 tokens (CD-code); layer counts of the paper's main rows
+    "condense/deepseek_moe_s": {"model": DSV2, "routed": 0, "layers": 8},
+    "condense/deepseek_moe_sr": {"model": DSV2, "routed": 6, "layers": 9},
+    "condense/qwen1_5_moe_s": {"model": QWEN15, "routed": 0, "layers": 6},
+    "condense/qwen1_5_moe_sr": {"model": QWEN15, "routed": 4, "layers": 6},
+}
+CD_MOE_TASKS = {"arc_challenge", "boolq", "hellaswag", "mmlu", "openbookqa", "piqa", "rte", "winogrande"}
+
 
 def _presets() -> list[str]:
     return sorted(p.relative_to(EXPERIMENTS).with_suffix("").as_posix() for p in EXPERIMENTS.rglob("*.yaml")
@@ -90,7 +106,33 @@ def _leaves(node, prefix=""):
 
 
 def test_every_preset_has_expected_values():
-    assert set(_presets()) == set(EXPECTED) | TINY
+    assert set(_presets()) == set(EXPECTED) | TINY | set(COMPRESSION)
+
+
+@pytest.mark.parametrize("preset", sorted(COMPRESSION))
+def test_compression_preset_carries_the_papers_values(preset):
+    want = COMPRESSION[preset]
+    cfg = _compose(f"experiment={preset}")
+    assert cfg.model.pretrained == want["model"]
+    if preset.startswith("condense/"):
+        c = cfg.condense
+        assert (c.routed_experts, c.num_layers, c.metric, c.target) == (want["routed"], want["layers"], "js",
+                                                                        "hidden_softmax")
+        assert (c.expert_selection, c.layer_selection) == ("greedy", "greedy")
+        assert (c.search.num_sequences, c.search.seq_len) == (100, 256)
+        assert set(c.eval.tasks) == CD_MOE_TASKS
+        return
+    task, data = cfg.task, cfg.dataset
+    assert cfg.hydra.runtime.choices.method == "kd" and cfg.method.options.loss == want["loss"]
+    assert cfg.hydra.runtime.choices.dataset == "fineweb_edu" and data.block_size == want["block"]
+    assert data.batch_size * task.trainer.accumulate_grad_batches == want["global_batch"]
+    assert task.trainer.max_steps == want["steps"]
+    assert task.optim.lr == want["lr"] and task.optim.weight_decay == want["wd"]
+    assert list(task.optim.betas) == want["betas"]
+    s = task.scheduler
+    assert (s.name, s.warmup_steps, s.min_lr_ratio) == (want["schedule"], want["warmup_steps"], want["min_lr_ratio"])
+    assert (cfg.compress.score, cfg.compress.grouping, cfg.compress.K) == ("do_acp", "rr", want["K"])
+    assert (cfg.compress.calibration.num_sequences, cfg.compress.calibration.seq_len) == want["calib"]
 
 
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
@@ -207,20 +249,36 @@ def test_sweep_rows_label_each_job_like_reported_csv():
 def test_reported_rows_are_labels_our_presets_produce():
     methods = {p.stem for p in (CONF / "method").glob("*.yaml")}
     produced = methods | {"sft_topk_half"} | {label for _, label, _ in ROWS.values()}
+    from moe_lab.tasks.condense import METHODS as CONDENSE_METHODS
+
+    # CD-MoE rows: the unmodified model, and task=condense's methods (cd_moe as its S / SR variants)
+    produced |= {"original", "cd_moe_s", "cd_moe_sr"} | set(CONDENSE_METHODS)
     for paper in collect.papers():
         for row in collect.load_reported(paper):
             assert row["row"] in produced or row["table"] in ("Gamma sweep", "k_main sweep"), (paper, row["row"])
             assert (CONF / "model").joinpath(f"{row['model']}.yaml").is_file(), (paper, row["model"])
 
 
+FINETUNING_PAPERS = ["compressed_experts", "condenser", "densemixer", "esft"]
+COMPRESSION_PAPERS = ["condense", "moe_to_dense"]
+
+
 def test_reported_values_come_only_from_the_specs():
-    """No paper number is in the specs, so every value is empty and its source says where to fill it from."""
-    assert collect.papers() == ["compressed_experts", "condenser", "densemixer", "esft"]
-    for paper in collect.papers():
+    """The fine-tuning papers' numbers are not in the specs: every value is empty and its source says where to
+    fill it from. The compression papers' numbers are: each value is written in compression.md."""
+    assert collect.papers() == sorted(FINETUNING_PAPERS + COMPRESSION_PAPERS)
+    for paper in FINETUNING_PAPERS:
         rows = collect.load_reported(paper)
         assert rows
         for row in rows:
             assert row["value"] is None and "not in specs" in row["source"], (paper, row)
+    spec = (ROOT.parent / "shared" / "specs" / "compression.md").read_text().replace(",", "")
+    numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", spec)}
+    for paper in COMPRESSION_PAPERS:
+        rows = collect.load_reported(paper)
+        assert rows and all("compression spec" in row["source"] for row in rows), paper
+        missing = [row for row in rows if row["value"] is not None and row["value"] not in numbers]
+        assert not missing, (paper, missing[:3])
 
 
 def _readme_commands() -> list[str]:
@@ -368,4 +426,4 @@ def test_collector_explains_wrong_directories(sweep, tmp_path, capsys):
     assert collect.main(["condenser", str(tmp_path / "nowhere")]) == 2
     assert "neither a task=evaluate run directory" in capsys.readouterr().err
     assert collect.main(["nopaper", str(sweep / "ev")]) == 2
-    assert "choose a paper from compressed_experts, condenser, densemixer, esft" in capsys.readouterr().err
+    assert f"choose a paper from {', '.join(collect.papers())}" in capsys.readouterr().err
