@@ -38,8 +38,8 @@ class FakeModule:
 
 def _layer(index, num_experts):
     return SimpleNamespace(
-        index=index, num_experts=num_experts, total_counts=torch.zeros(num_experts, dtype=torch.long)
-    )
+        index=index, num_experts=num_experts, top_k=2, total_counts=torch.zeros(num_experts, dtype=torch.long)
+    )  # top_k: MoEBlock's, read by the heatmaps' shared colour scale
 
 
 def _trainer(tmp_path, strategy, rank_zero=True):
