@@ -20,12 +20,18 @@ from .losses import _mask, token_divergence
 
 @torch.no_grad()
 def record_teacher(teacher, batches, top_k: int | None = None) -> dict[str, torch.Tensor]:
-    """Teacher logits of the real tokens of ``batches`` (dicts with input_ids and attention_mask), in order."""
+    """Teacher logits of the real tokens of ``batches`` (padded: input_ids + attention_mask; packed: as
+    ``data.packing.model_inputs`` reads them, the teacher seeing what method=kd gives it), in order."""
+    from ..data.packing import model_inputs, real_token_mask
+
+    device = next(teacher.parameters()).device
     rows = []
     for batch in batches:
-        mask = batch["attention_mask"].bool()
-        logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        rows.append(logits[mask])
+        mask = real_token_mask(batch).bool().to(device)
+        inputs = model_inputs({"labels": None, **batch})
+        inputs.pop("labels")
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        rows.append(teacher(**inputs).logits.float()[mask].cpu())
     logits = torch.cat(rows)
     if top_k is None:
         return {"logits": logits}

@@ -60,6 +60,7 @@ TASKS["correlation"] = _analysis("correlation", "correlation_task")
 TASKS["activation_stats"] = _analysis("activation_stats", "activation_stats_task")
 TASKS["offload"] = _analysis("offload", "offload_task")
 TASKS["moe_to_dense"] = _analysis("moe_to_dense", "moe_to_dense")
+TASKS["teacher_logits"] = _analysis("teacher_logits", "teacher_logits_task")
 TASKS["expert_removal"] = _analysis("expert_removal", "expert_removal_task")
 
 
