@@ -369,3 +369,26 @@ def test_debug_fast_with_no_callbacks_instantiates_none():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast"])
     assert any(type(c).__name__ == "ExpertLoadCallback" for c in _instantiate_all(cfg.callbacks))
+
+
+def test_resume_in_the_same_directory_keeps_updating_last_ckpt(tmp_path):
+    """A signal checkpoint written before any periodic one leaves last.ckpt unknown to ModelCheckpoint's state;
+    the resumed run must overwrite last.ckpt (not start last-v1.ckpt), or a second resume would go back."""
+    from moe_lab.tasks.checkpoint_io import checkpoint_callback
+
+    ckpt_dir = tmp_path / "checkpoints"
+
+    def fit(max_steps, callbacks, ckpt_path=None):
+        L.seed_everything(0)
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path,
+                            callbacks=[checkpoint_callback(ckpt_dir, every_n_train_steps=3), *callbacks])
+        trainer.fit(TinyModule(), ResumableDataLoader(random_batches(8), batch_size=None, shuffle=False),
+                    ckpt_path=ckpt_path)
+
+    with pytest.raises(SIGTERMException):
+        fit(6, [_SendSignal(signal.SIGUSR1, 2), CheckpointOnSignal(ckpt_dir / "last.ckpt")])
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 2
+    fit(7, [], ckpt_path=str(ckpt_dir / "last.ckpt"))
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["last.ckpt"]
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 6  # every 3 steps

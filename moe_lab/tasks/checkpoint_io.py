@@ -238,9 +238,12 @@ def checkpoint_callback(dirpath: str | Path, every_n_train_steps: int, keep_last
     ``keep_last`` newest ``step-<n>.ckpt`` (older ones deleted)."""
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
         raise ValueError(f"task.keep_last_checkpoints={keep_last!r}: give an integer >= 0 (0 = only last.ckpt)")
+    # enable_version_counter=False: a resumed run overwrites last.ckpt (atomically) even when its state does not
+    # know the file (a signal checkpoint written before any periodic one), instead of starting last-v1.ckpt
     return CompletedCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1 if keep_last else 0,
                                filename="step-{step}", auto_insert_metric_name=False,
-                               every_n_train_steps=every_n_train_steps, keep_last=keep_last)
+                               every_n_train_steps=every_n_train_steps, keep_last=keep_last,
+                               enable_version_counter=False)
 
 
 def _family(kind: str) -> str:
