@@ -90,13 +90,39 @@ def _chunk_terms(h_s, h_t, keep, student_head, teacher_head, kind, temperature, 
     return div, ce, top1
 
 
+def _fkl_chunk(h_s, h_t, keep, student_head, teacher_head, temperature, w_div, want, params):
+    """Forward-KL chunk with its gradient written out: d(tau^2 KL(p_T || p_S))/dz_S = tau (p_S - p_T) per kept
+    row (0 elsewhere), pushed through the student head by one autograd call (no elementwise backward graph)."""
+    tau = float(temperature)
+    with torch.enable_grad():
+        logits_s = student_head(h_s)
+    with torch.no_grad():
+        logits_t = teacher_head(h_t)
+        all_kept = bool(keep.all())
+        z_s, z_t = (logits_s.detach(), logits_t) if all_kept else (logits_s.detach()[keep], logits_t[keep])
+        top1 = (z_s.argmax(-1) == z_t.argmax(-1)).sum()
+        log_s = F.log_softmax(z_s.float() / tau, dim=-1)
+        log_t = F.log_softmax(z_t.float() / tau, dim=-1)
+        p_t = log_t.exp()
+        div = (p_t * (log_t - log_s)).sum() * (tau * tau)
+        grads = None
+        if want:
+            g = log_s.exp_().sub_(p_t).mul_(w_div * tau).to(logits_s.dtype)
+            if not all_kept:
+                g = torch.zeros_like(logits_s).index_put_((keep,), g)
+    if want:
+        grads = torch.autograd.grad(logits_s, [h_s, *params], grad_outputs=g, allow_unused=True)
+    return div, top1, grads
+
+
 class _FusedChunks(torch.autograd.Function):
     """Loss sum over token chunks whose gradients (w.r.t. the student's hidden states and head parameters) are
     computed chunk by chunk in the forward pass, so no chunk's logits outlive it and nothing is recomputed."""
 
     @staticmethod
     def forward(ctx, hs, ht, keep, labels, setup, *params):
-        student_head, teacher_head, kind, temperature, beta, w_div, w_ce, step, want = setup
+        student_head, teacher_head, kind, temperature, beta, w_div, w_ce, step, want, analytic = setup
+        analytic = analytic and kind == "forward_kl" and labels is None
         grad_h = torch.zeros_like(hs) if want else None
         grad_p = [torch.zeros_like(p) for p in params] if want else []
         total = hs.new_zeros((), dtype=torch.float32)
@@ -105,6 +131,17 @@ class _FusedChunks(torch.autograd.Function):
         top1 = torch.zeros((), dtype=torch.long, device=hs.device)
         for i in range(0, hs.shape[0], step):
             lab = None if labels is None else labels[i:i + step]
+            if analytic:
+                h = hs[i:i + step].detach().requires_grad_(want)
+                d, t, grads = _fkl_chunk(h, ht[i:i + step], keep[i:i + step], student_head, teacher_head,
+                                         temperature, w_div, want, params)
+                if want:
+                    grad_h[i:i + step] = grads[0]
+                    for acc, g in zip(grad_p, grads[1:]):
+                        if g is not None:
+                            acc += g
+                total, div, top1 = total + w_div * d, div + d, top1 + t
+                continue
             with torch.enable_grad():
                 h = hs[i:i + step].detach().requires_grad_(want)
                 d, c, t = _chunk_terms(h, ht[i:i + step], keep[i:i + step], student_head, teacher_head, kind,
@@ -133,14 +170,15 @@ class _FusedChunks(torch.autograd.Function):
 def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,
                     kind: str = "forward_kl", temperature: float = 1.0, mask: torch.Tensor | None = None,
                     chunk_size: int | None = 1024, beta: float = 0.5, labels: torch.Tensor | None = None,
-                    kd_weight: float = 1.0, ce_weight: float = 1.0):
+                    kd_weight: float = 1.0, ce_weight: float = 1.0, analytic_grad: bool = True):
     """Token SUMS ``(loss, divergence, cross-entropy, top-1 matches)`` from final hidden states, chunked.
 
     ``loss = kd_weight * divergence + ce_weight * cross-entropy`` carries the gradient (to the student's hidden
     states and head parameters); the other three are detached. Each chunk applies both heads, computes the fp32
     loss and its gradient at once and drops the logits, so at most one chunk of full-vocabulary logits of each
     model exists and none is recomputed in backward. ``labels`` (aligned with positions, -100 = ignored) add
-    the student's cross-entropy; without them it is 0.
+    the student's cross-entropy; without them it is 0. ``analytic_grad`` (forward KL without labels): the logit
+    gradient tau (p_S - p_T) is written out instead of autograd through the fp32 softmax/KL passes.
     """
     check_kind(kind)
     hs, ht = _flat(student_hidden), _flat(teacher_hidden)
@@ -149,7 +187,7 @@ def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, 
     params = [p for p in student_head.parameters() if p.requires_grad]
     want = torch.is_grad_enabled() and (hs.requires_grad or bool(params))
     setup = (student_head, teacher_head, kind, float(temperature), float(beta), float(kd_weight),
-             float(ce_weight), int(chunk_size or hs.shape[0]), want)
+             float(ce_weight), int(chunk_size or hs.shape[0]), want, bool(analytic_grad))
     return _FusedChunks.apply(hs, ht, keep, flat_labels, setup, *params)
 
 
