@@ -165,7 +165,8 @@ def _wandb_ids(run: Path) -> list[str]:
 @pytest.mark.slow
 def test_usr1_checkpoints_and_the_requeued_job_continues_the_same_run(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    steps = 6
+    # long enough that the signal sent after step 2 lands before the end on an idle machine (~10 steps/s)
+    steps = 40
     cmd = [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}", *TINY,
            "logger=wandb", f"task.trainer.max_steps={steps}", "task.trainer.limit_val_batches=0",
            "task.checkpoint_every_n_steps=1000"]
