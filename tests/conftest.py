@@ -64,6 +64,19 @@ def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3),
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+WORDS = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer", "dense"]
+
+
+def word_text(path, lines: int, words_per_line: int = 40, seed: int = 0, vocab: int = 8):
+    """Write ``lines`` lines of seeded random words (the first ``vocab`` of WORDS) to ``path``: local text for
+    calibration / distillation tasks."""
+    gen = torch.Generator().manual_seed(seed)
+    words = WORDS[:vocab]
+    path.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, vocab, (words_per_line,), generator=gen))
+                              for _ in range(lines)))
+    return path
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moe_lab.compress import Calibration, calibrate
 from moe_lab.moe.registry import family_spec
-from tests.conftest import build_tiny, random_batch
+from tests.conftest import build_tiny, random_batch, word_text
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -277,11 +277,7 @@ def test_calibrate_task_on_local_text(tmp_path):
     from moe_lab.models import load_model
     from moe_lab.tasks import run_task
 
-    text = tmp_path / "wiki.train.txt"
-    gen = torch.Generator().manual_seed(0)
-    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer"]
-    text.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (40,), generator=gen))
-                              for _ in range(30)))
+    text = word_text(tmp_path / "wiki.train.txt", 30)
     cfg = _compose(tmp_path, "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
                    "compress.calibration.num_sequences=5", "compress.calibration.seq_len=16",
                    "compress.calibration.batch_size=2", "compress.calibration.save_every=1")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from moe_lab.compress import Calibration, load_condensed
+from tests.conftest import ROOT, word_text
 
 
 def _compose(tmp_path, *overrides):
     from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
@@ -20,11 +17,7 @@ def test_condense_task_searches_condenses_and_exports(tmp_path):
     from moe_lab.models import load_model
     from moe_lab.tasks import run_task
 
-    text = tmp_path / "c4.txt"
-    gen = torch.Generator().manual_seed(0)
-    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer"]
-    text.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (40,), generator=gen))
-                              for _ in range(30)))
+    text = word_text(tmp_path / "c4.txt", 30)
     data = ["num_sequences=4", "seq_len=16", "batch_size=2", "sample=first"]
     cal = run_task(_compose(tmp_path / "cal", "task=calibrate", "model=tiny_deepseek_v2",
                             "dataset@compress.calibration.dataset=c4", f"compress.calibration.dataset.path={text}",

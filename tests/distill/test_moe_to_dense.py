@@ -11,15 +11,11 @@ from hydra import compose, initialize_config_dir
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import to_dense
 from moe_lab.tasks.moe_to_dense import ffn_names, reinitialise
-from tests.conftest import ROOT, build_tiny, random_batch
+from tests.conftest import ROOT, build_tiny, random_batch, word_text
 
 
 def _text(path, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer", "dense"]
-    path.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 9, (40,), generator=gen))
-                              for _ in range(n)))
-    return path
+    return word_text(path, n, seed=seed, vocab=9)
 
 
 def _cfg(tmp_path, *overrides):

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf, open_dict
 from moe_lab.data.packing import model_inputs, real_token_mask
 from moe_lab.distill import kd_loss
 from moe_lab.distill.teacher import load_teacher
-from tests.conftest import ROOT, tiny_model_cfg
+from tests.conftest import ROOT, tiny_model_cfg, word_text
 
 SEEN: list[dict] = []
 
@@ -36,11 +36,7 @@ class Capture(L.Callback):
 
 
 def _cfg(tmp_path, *overrides):
-    words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer"]
-    gen = torch.Generator().manual_seed(0)
-    train = tmp_path / "train.txt"
-    train.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (12,), generator=gen))
-                               for _ in range(8)))
+    train = word_text(tmp_path / "train.txt", 8, words_per_line=12)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[
             "model=tiny_qwen3_moe", "method=kd", "dataset=text", f"dataset.path={train}", "dataset.block_size=16",
