@@ -10,15 +10,26 @@ yielded are the batches the loop has consumed.
 The order of an epoch is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s rule: Lightning
 calls ``set_epoch`` before every epoch, also on resume), so restoring ``{"epoch", "batches"}`` and skipping
 that many batches' worth of indices (no data is loaded for them) reproduces the rest of the epoch.
+
+Window mode (``ResumableDataLoader.count_windows``): the loader reads each gradient-accumulation window ahead and
+stamps every dict batch with ``window_tokens``, this rank's real tokens in the window, so a loss can be divided by
+the window's token count before backward. The read-ahead batches are not consumed: the saved position still
+counts the batches handed out.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler
+
+from .packing import real_token_mask
+
+#: the key window mode adds to each dict batch: this rank's real tokens in the batch's accumulation window
+WINDOW_TOKENS = "window_tokens"
 
 
 class ResumableSampler(DistributedSampler):
@@ -55,6 +66,17 @@ class ResumableDataLoader(DataLoader):
         self._progress: dict[str, int] | None = None
         self._pending: dict[str, int] | None = None
         self._iterations = 0
+        self._window: tuple[int, int | None] | None = None
+
+    def count_windows(self, size: int | None, limit: int | None = None) -> None:
+        """Window mode (``size`` >= 1; None turns it off), read by the next iteration: the batches of an epoch
+        form windows ``[k * size, (k + 1) * size)`` ending at ``limit`` batches (the epoch's batch limit, e.g.
+        Lightning's ``num_training_batches``) or at the epoch's end, as Lightning's gradient accumulation does;
+        every dict batch gets ``batch[WINDOW_TOKENS]`` = the real tokens (``real_token_mask``) of its window. A
+        resumed epoch's first window runs from the restored position to the next window end."""
+        if size is not None and (isinstance(size, bool) or int(size) != size or size < 1):
+            raise ValueError(f"window size must be an integer >= 1 (accumulate_grad_batches), got {size!r}")
+        self._window = None if size is None else (int(size), None if limit is None else int(limit))
 
     def _epoch(self) -> int:
         epoch = getattr(self.sampler, "epoch", None)
@@ -72,11 +94,11 @@ class ResumableDataLoader(DataLoader):
         drop = start
         if start and isinstance(self.sampler, ResumableSampler) and self.batch_size is not None:
             self.sampler.skip, drop = start * self.batch_size, 0
-        for batch in super().__iter__():
-            if drop:
-                drop -= 1
-                continue
-            self._progress["batches"] += 1
+        batches = itertools.islice(super().__iter__(), drop, None)
+        if self._window is not None:
+            batches = _stamp_windows(batches, start, *self._window)
+        for batch in batches:
+            self._progress["batches"] += 1  # handed out = consumed (Lightning does not prefetch a sized loader)
             yield batch
 
     def state_dict(self) -> dict[str, int]:
@@ -98,6 +120,30 @@ class ResumableDataLoader(DataLoader):
             self.sampler.set_epoch(pending["epoch"])
         else:
             self._iterations = pending["epoch"]
+
+
+def _stamp_windows(batches: Iterator[Any], index: int, size: int, limit: int | None) -> Iterator[Any]:
+    """Yield ``batches`` (the first one is the epoch's batch ``index``), each stamped with its window's real-token
+    count (dict batches with a real-token mask only); each window is read whole before its first batch is
+    yielded."""
+    while True:
+        end = (index // size + 1) * size
+        if limit is not None and index < limit:
+            end = min(end, limit)
+        window = list(itertools.islice(batches, end - index))
+        if not window:
+            return
+        tokens = None
+        if all(isinstance(b, dict) for b in window):
+            try:  # batches without a real-token mask stay unstamped
+                tokens = sum(int(real_token_mask(b).sum()) for b in window)
+            except KeyError:
+                pass
+        for batch in window:
+            if tokens is not None:
+                batch[WINDOW_TOKENS] = tokens
+            yield batch
+        index = end
 
 
 class ResumableDataModule(L.LightningDataModule):

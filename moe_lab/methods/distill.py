@@ -1,11 +1,15 @@
 """method=kd: knowledge distillation of the run's model (the student) from a frozen teacher (spec 2.9).
 
 Loss (token sums, then one normalisation): ``kd_ratio * D(teacher, student) + hidden_weight * MSE_hidden +
-(1 - kd_ratio) * CE(labels)``, divided by the number of real tokens of the WHOLE global batch. The global count
-is known only once the accumulation window has been seen: each micro-batch returns its token SUM (Lightning
-divides it by accumulate_grad_batches A), and after the window's last backward (before on_before_optimizer_step
-hooks and gradient clipping) the accumulated gradients are multiplied by A * world_size / N, N = real tokens of every micro-batch of the
-window on every rank (all-reduced). Mathematically identical to one large batch, whatever the token counts.
+(1 - kd_ratio) * CE(labels)``, divided by N = the real tokens of the WHOLE global batch (every micro-batch of the
+accumulation window on every rank), so a step equals one large batch whatever the token counts.
+
+N is known before backward (as HF Trainer's ``num_items_in_batch``): the train loader (a ``ResumableDataLoader``,
+put in window mode at train start) stamps each batch with its window's real tokens, all-reduced here, and the
+micro-batch loss is ``sum * loss_scale / N``, ``loss_scale`` cancelling the divisions Lightning and the strategy
+apply (see ``loss_scale``). Exact under DDP, FSDP and DeepSpeed ZeRO, whose gradients are reduced or sharded
+inside backward. Batches without a window count (a plain DataLoader) fall back to scaling the accumulated
+gradients by A * world / N after the window's last backward: single device and DDP only (``normalisation``).
 """
 
 from __future__ import annotations
@@ -85,6 +89,41 @@ class _Recorder:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+def normalisation(strategy, windowed: bool) -> str:
+    """How method=kd divides by the global token count N under ``strategy``: ``"loss"`` when the batch carries
+    its window's token count (exact on every strategy), else ``"gradients"`` (accumulated gradients scaled after
+    the window's last backward), which needs whole gradients in ``p.grad``: single device or DDP only."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    if windowed:
+        return "loss"
+    if isinstance(strategy, SingleDeviceStrategy) or (isinstance(strategy, DDPStrategy)
+                                                      and not isinstance(strategy, DeepSpeedStrategy)):
+        return "gradients"
+    raise ValueError(
+        f"method=kd under {type(strategy).__name__}: the training batches carry no 'window_tokens', and the "
+        "gradients cannot be rescaled after backward (DeepSpeed ZeRO and FSDP reduce and shard them inside "
+        "backward). Train from a moe_lab.data.resumable.ResumableDataLoader (the train loader of every moe-lab "
+        "datamodule): method=kd puts it in window mode, which counts each accumulation window's tokens before "
+        "backward")
+
+
+def loss_scale(strategy, accumulate: int, world_size: int) -> float:
+    """``c`` such that micro-batch losses ``c * sum / N`` give the gradient of (sum over the global window) / N
+    once the divisors on the way are applied: Lightning divides training_step's loss by accumulate_grad_batches
+    (loops/optimization/automatic.py ``_training_step`` -> ``ClosureResult.from_training_step_output``, every
+    strategy); DeepSpeed's ``engine.backward`` divides it again by its ``gradient_accumulation_steps``
+    (runtime/engine.py ``backward``, ``scale_wrt_gas=True``, left on by Lightning's ``DeepSpeedPrecision.backward``;
+    Lightning sets that config value to accumulate_grad_batches); DDP, FSDP and DeepSpeed average the gradients
+    over the ``world_size`` data-parallel ranks."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    c = int(accumulate) * int(world_size)
+    if isinstance(strategy, DeepSpeedStrategy):
+        c *= int((strategy.config or {}).get("gradient_accumulation_steps") or accumulate)
+    return float(c)
 
 
 class KDModule(MoELightningModule):
@@ -260,6 +299,53 @@ class KDModule(MoELightningModule):
             out["kl"] = out["div"]
         return out
 
+    #: how the last training micro-batch was normalised: "loss" (window count) or "gradients" (fallback)
+    normalised_by: str | None = None
+    _global_window: int | None = None  # N of the current window (all ranks), announced by the loader
+
+    def on_train_start(self):
+        super().on_train_start()
+        self._count_windows()
+
+    def on_train_epoch_start(self):
+        super().on_train_epoch_start()
+        self._count_windows()  # a reloaded loader, or a changed accumulate_grad_batches
+
+    def _count_windows(self) -> None:
+        """Put the trainer's train loader (if a ResumableDataLoader) in window mode: Lightning's accumulation
+        windows, cut at the epoch's batch limit. Called before the epoch's first batch is drawn."""
+        from ..data.resumable import ResumableDataLoader
+
+        trainer = self.trainer
+        loader = trainer.train_dataloader
+        if not isinstance(loader, ResumableDataLoader):
+            return
+        size, limit = trainer.accumulate_grad_batches, trainer.num_training_batches
+        limit = int(limit) if math.isfinite(limit) else None
+        if trainer.strategy.handles_gradient_accumulation and size > 1 and limit is not None and limit % size:
+            raise ValueError(
+                f"method=kd under {type(trainer.strategy).__name__}: an epoch of {limit} batches is not a whole "
+                f"number of accumulation windows (trainer.accumulate_grad_batches={size}); DeepSpeed would carry "
+                "the last window into the next epoch. Set trainer.limit_train_batches to a multiple of "
+                f"{size} (e.g. {limit - limit % size or size}) or change dataset.batch_size")
+        loader.count_windows(size, limit)
+
+    def _train_loss(self, batch, loss_sum: torch.Tensor) -> torch.Tensor:
+        """What one training micro-batch returns: ``loss_sum * loss_scale / N`` when the batch carries its
+        window's token count (N = that count summed over ranks, one all-reduce), else the sum itself (the
+        gradients are scaled in ``on_after_backward``)."""
+        from ..data.resumable import WINDOW_TOKENS
+
+        trainer = self.trainer
+        local = batch.get(WINDOW_TOKENS) if isinstance(batch, dict) else None
+        self.normalised_by = normalisation(trainer.strategy, windowed=local is not None)
+        if local is None:
+            return loss_sum
+        count = torch.tensor(int(local), dtype=torch.int64, device=self.device)
+        self._global_window = int(trainer.strategy.reduce(count, reduce_op="sum"))
+        scale = loss_scale(trainer.strategy, trainer.accumulate_grad_batches, trainer.world_size)
+        return loss_sum * (scale / max(self._global_window, 1))
+
     def _step(self, batch, stage: str):
         sums = self.kd_sums(batch)
         n = sums["tokens"].clamp(min=1).float()
@@ -267,22 +353,25 @@ class KDModule(MoELightningModule):
         if stage == "train":
             self._window_sum += float(sums["loss"].detach())
             self._window_tokens += int(sums["tokens"])
-            return sums["loss"]
+            return self._train_loss(batch, sums["loss"])
         self.log("val/loss", sums["loss"].detach() / n, on_epoch=True, sync_dist=True,
                  batch_size=batch["input_ids"].shape[0])
         return sums["loss"] / n
 
     def on_after_backward(self):
-        """At the last micro-batch of an accumulation window (before any on_before_optimizer_step hook, so
-        gradient-norm callbacks and clipping see the final gradients): normalise the accumulated gradients by
-        the global real-token count; stop on a non-finite loss before the optimizer step."""
+        """At the last micro-batch of an accumulation window (Lightning's own test; under DeepSpeed too, where
+        ``_should_accumulate()`` is False exactly at ``accumulate_grad_batches`` boundaries), before any
+        on_before_optimizer_step hook: log the window's normalised loss, stop on a non-finite one before the
+        optimizer step, check the loader's window count against the tokens seen, or (fallback) normalise the
+        accumulated gradients by the global real-token count."""
         trainer = self.trainer
         if trainer.fit_loop._should_accumulate():  # Lightning's own test (automatic optimisation)
             return
         stats = torch.tensor([self._window_sum, float(self._window_tokens)], dtype=torch.float64,
                              device=self.device)
         stats = trainer.strategy.reduce(stats, reduce_op="sum")
-        total, tokens = float(stats[0]), max(float(stats[1]), 1.0)
+        total, seen = float(stats[0]), int(stats[1])
+        tokens = max(float(seen), 1.0)
         self._window_sum, self._window_tokens = 0.0, 0
         loss = total / tokens
         if not math.isfinite(loss):
@@ -291,10 +380,17 @@ class KDModule(MoELightningModule):
                 f"last finite loss {self.last_finite_loss} (the last checkpoint was kept; lower the learning "
                 "rate or check the teacher's logits)")
         self.last_finite_loss = loss
-        factor = trainer.accumulate_grad_batches * trainer.world_size / tokens
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        if self.normalised_by == "gradients":
+            factor = trainer.accumulate_grad_batches * trainer.world_size / tokens
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        elif self._global_window != seen:
+            raise RuntimeError(
+                f"method=kd: the train loader announced {self._global_window} real tokens for the accumulation "
+                f"window ending at optimizer step {trainer.global_step + 1}, the micro-batches held {seen}: its "
+                "windows are not the optimizer's (a run resumed mid-window under DeepSpeed, or a loader shared "
+                "with another consumer)")
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=1)
         self.log("train/tokens", tokens, on_step=True, batch_size=1)
 

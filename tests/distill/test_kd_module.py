@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from moe_lab.data.resumable import ResumableDataLoader
 from moe_lab.distill import kd_loss
 from moe_lab.methods.distill import KDModule
 from tests.conftest import build_tiny, random_batch
@@ -17,8 +18,8 @@ def _rows(batch):
     return [{k: v[i] for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
 
 
-def _loader(batch, batch_size):
-    return DataLoader(_rows(batch), batch_size=batch_size, shuffle=False)
+def _loader(batch, batch_size, cls=DataLoader):
+    return cls(_rows(batch), batch_size=batch_size, shuffle=False)
 
 
 def _trainer(**kw):
@@ -56,7 +57,11 @@ def test_token_sums_match_hf_logits(loss):
     assert int(sums["tokens"]) == int(batch["attention_mask"].sum())
 
 
-def test_accumulation_2x1_equals_1x2_with_unequal_token_counts():
+@pytest.mark.parametrize(("cls", "path"), [(ResumableDataLoader, "loss"), (DataLoader, "gradients")],
+                         ids=["window_count", "plain_loader"])
+def test_accumulation_2x1_equals_1x2_with_unequal_token_counts(cls, path):
+    """A ResumableDataLoader's window count scales the loss before backward; a plain DataLoader falls back to
+    scaling the gradients after the window's last backward. Both give the same step."""
     batch = random_batch(batch=2, seq=10, pad_rows=((1, 6),))  # 10 and 4 real tokens
     grads = []
     for micro, accumulate in ((2, 1), (1, 2)):
@@ -64,7 +69,8 @@ def test_accumulation_2x1_equals_1x2_with_unequal_token_counts():
         module = _module()
         grab = _GradGrab()
         _trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[grab]).fit(
-            module, train_dataloaders=_loader(batch, micro))
+            module, train_dataloaders=_loader(batch, micro, cls))
+        assert module.normalised_by == path
         grads.append(grab.grads)
     # one large batch, computed by hand: d/dtheta of (sum of per-token KL) / 14
     module = _module()
