@@ -172,7 +172,7 @@ class KDModule(MoELightningModule):
                                        "optim": self.optim, "scheduler": self.scheduler_cfg,
                                        "gradient_checkpointing": gradient_checkpointing,
                                        "master_weights": master_weights})
-        self.record, self._record_offset = None, 0
+        self.record = None  # a RecordedTeacher (method.options.teacher_logits)
         if self.kd["teacher_logits"]:
             self._use_record()
             self._teacher = [None]
@@ -190,29 +190,26 @@ class KDModule(MoELightningModule):
         self.kd_stats: dict[str, float] = {}
 
     def _use_record(self) -> None:
-        from ..distill.teacher_logits import load
+        from ..distill.teacher_logits import RecordedTeacher
 
         if self.uses_hidden or self.kd["teacher_top_k"] is not None or float(self.kd["kd_ratio"]) != 1.0:
             raise ValueError("method.options.teacher_logits (a precomputed teacher) works with a logit loss only: "
                              "unset fkl_hidden / teacher_top_k / kd_ratio < 1")
-        self.record = load(self.kd["teacher_logits"])
-        width = self.record["logits" if "logits" in self.record else "values"]
+        self.record = RecordedTeacher(self.kd["teacher_logits"])
         vs = self.model.get_output_embeddings().weight.shape[0]
-        if "logits" in self.record and width.shape[-1] != vs:
-            raise ValueError(f"student vocabulary {vs} != teacher vocabulary {width.shape[-1]} (teacher_logits)")
+        if self.record.vocab is not None and self.record.vocab != vs:
+            raise ValueError(f"student vocabulary {vs} != teacher vocabulary {self.record.vocab} (teacher_logits)")
 
     def _record_kd(self, batch: dict, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """KD against the next rows of the teacher record (recorded in this dataloader's order)."""
+        """KD against the recorded rows of this batch (train: the run's cursor; validation: the val section)."""
         from ..distill.teacher_logits import kd_loss_from_record
 
+        split = self.record.split_for(self._trainer)
         n = int(mask.sum())
-        key = "logits" if "logits" in self.record else "values"
-        total = self.record[key].shape[0]
-        if self._record_offset + n > total:
-            raise ValueError(f"method.options.teacher_logits holds {total} tokens; the data asks for more (token "
-                             f"{self._record_offset + n}): record the teacher over the whole training data")
-        part = {k: v[self._record_offset:self._record_offset + n] for k, v in self.record.items()}
-        self._record_offset += n
+        if split is None:  # a validation already under way when a record without val batches switched it off
+            zero = mask.new_zeros((), dtype=torch.float32)
+            return {"loss": zero, "div": zero, "tokens": mask.sum() * 0}
+        part = self.record.next(split, batch["input_ids"], n, datamodule=getattr(self._trainer, "datamodule", None))
         inputs = model_inputs(batch)
         inputs.pop("labels", None)
         with self.patch.context.real_tokens(mask):
@@ -265,6 +262,8 @@ class KDModule(MoELightningModule):
 
     def on_validation_start(self):
         self._move_teacher()
+        if self.record is not None:
+            self.record.restart("val")  # every validation run reads the recorded val batches from the start
 
     # the loss ------------------------------------------------------------------------------------------
     def kd_sums(self, batch: dict) -> dict[str, torch.Tensor]:
@@ -395,4 +394,17 @@ class KDModule(MoELightningModule):
         self.log("train/tokens", tokens, on_step=True, batch_size=1)
 
     def on_save_checkpoint(self, checkpoint):
-        checkpoint.setdefault("moe_lab_kd", {})["last_finite_loss"] = self.last_finite_loss
+        state = checkpoint.setdefault("moe_lab_kd", {})
+        state["last_finite_loss"] = self.last_finite_loss
+        if self.record is not None:
+            state["teacher_logits"] = self.record.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        """Resume the teacher record's train cursor (and the last finite loss) where the checkpoint left them."""
+        state = checkpoint.get("moe_lab_kd") or {}
+        self.last_finite_loss = state.get("last_finite_loss", self.last_finite_loss)
+        if self.record is not None:
+            if "teacher_logits" not in state and checkpoint.get("global_step"):
+                raise ValueError("method.options.teacher_logits: the checkpoint has no teacher-record position (it "
+                                 "was not written by a run distilling from a record); resume it with the live teacher")
+            self.record.load_state_dict(state.get("teacher_logits") or {"train_batches": 0})

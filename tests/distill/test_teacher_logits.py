@@ -56,19 +56,20 @@ def test_module_with_record_equals_live_teacher(tmp_path):
 
     teacher = build_tiny("qwen3_moe", seed=0).eval()
     batches = [random_batch(seed=s) for s in (0, 1)]
-    tl.save(tl.record_teacher(teacher, [{k: b[k] for k in ("input_ids", "attention_mask")} for b in batches]),
-            tmp_path / "t.safetensors")
+    path = tmp_path / "t.safetensors"
+    tl.save_run(tl.record_run(teacher, [[{k: b[k] for k in ("input_ids", "attention_mask")} for b in batches]]),
+                path, world_size=1)
     live = KDModule(build_tiny("qwen3_moe", seed=1).eval(), teacher=teacher)
-    recorded = KDModule(build_tiny("qwen3_moe", seed=1).eval(), options={"teacher_logits": str(tmp_path / "t.safetensors")})
+    recorded = KDModule(build_tiny("qwen3_moe", seed=1).eval(), options={"teacher_logits": str(path)})
     for batch in batches:
         a, b = live.kd_sums(batch), recorded.kd_sums(batch)
         # token sums of ~20 fp32 terms: chunked-head vs full-logit paths differ by rounding only
         assert torch.allclose(a["div"], b["div"], rtol=1e-5, atol=1e-5) and int(a["tokens"]) == int(b["tokens"])
-    with pytest.raises(ValueError, match="holds 44 tokens; the data asks for more"):
-        recorded_small = KDModule(build_tiny("qwen3_moe", seed=1),
-                                  options={"teacher_logits": str(tmp_path / "t.safetensors")})
-        for _ in range(3):
-            recorded_small.kd_sums(batches[0])
+    with pytest.raises(ValueError, match="holds 2 train batches for rank 0; the run reads batch 3"):
+        recorded.kd_sums(batches[0])
     with pytest.raises(ValueError, match="logit loss only"):
-        KDModule(build_tiny("qwen3_moe"), options={"teacher_logits": str(tmp_path / "t.safetensors"),
-                                                   "loss": "fkl_hidden"})
+        KDModule(build_tiny("qwen3_moe"), options={"teacher_logits": str(path), "loss": "fkl_hidden"})
+    tl.save(tl.record_teacher(teacher, [{k: batches[0][k] for k in ("input_ids", "attention_mask")}]),
+            tmp_path / "old.safetensors")
+    with pytest.raises(ValueError, match="not a run record with batch checksums.*task=teacher_logits"):
+        KDModule(build_tiny("qwen3_moe"), options={"teacher_logits": str(tmp_path / "old.safetensors")})

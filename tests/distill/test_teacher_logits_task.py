@@ -28,7 +28,9 @@ class Capture(L.Callback):
         inputs.pop("labels")
         with torch.no_grad():
             logits = pl_module.model(**inputs).logits
-        SEEN.append({"batch": {k: v.clone() for k, v in batch.items()}, "offset": pl_module._record_offset,
+        pl_module.record.split_for(trainer)  # binds the record to this rank (the module does it at its first batch)
+        SEEN.append({"batch": {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()},
+                     "offset": pl_module.record.position("train"),
                      "student": logits})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -67,7 +69,7 @@ def test_record_follows_the_kd_run(tmp_path):
     teacher = load_teacher(cfg.method.teacher)
     from moe_lab.distill.teacher_logits import load
 
-    record = load(summary["file"])["logits"]
+    record = load(summary["file"])["train.0.logits"]
     for seen in SEEN:
         inputs = model_inputs(seen["batch"])
         inputs.pop("labels")
