@@ -8,6 +8,7 @@ from hydra.utils import instantiate
 
 from moe_lab.data import sources
 from moe_lab.data.datamodule import SFTDataModule
+from moe_lab.data.mmlu import MMLUDataModule
 from moe_lab.data.text import TextBlockDataModule
 from moe_lab.data.tokenizer import build_byte_tokenizer
 
@@ -28,6 +29,7 @@ REMOTE = {
     "esft_summary": (SFTDataModule, "chat", ESFT + "summary.jsonl", None),
     "esft_translation": (SFTDataModule, "chat", ESFT + "translation.jsonl", None),
     "s1k": (SFTDataModule, "reasoning", "simplescaling/s1K", None),
+    "mmlu_train": (MMLUDataModule, "llm_adapters", "cais/mmlu", "auxiliary_train"),
     "fineweb_edu": (TextBlockDataModule, None, "HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "c4": (TextBlockDataModule, None, "allenai/c4", "en"),
     "wikitext2": (TextBlockDataModule, None, "Salesforce/wikitext", "wikitext-2-raw-v1"),
