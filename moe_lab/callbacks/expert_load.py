@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moe_lab.analysis.load_stats import load_summary
 
+from ._dense import without_moe_layers
 from ._logging import log_metrics, logging_step, wandb_loggers
 from .wandb_media import log_lorenz
 
@@ -118,6 +119,9 @@ class ExpertLoadCallback(Callback):
 
     # hooks --------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if without_moe_layers(self, pl_module):  # a dense model: nothing to count
+            self._log_base = self._heat_base = None
+            return
         base = self._totals(pl_module)
         self._log_base = base
         self._heat_base = base.clone()
@@ -126,7 +130,7 @@ class ExpertLoadCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self._last_seen_step:  # accumulating micro-batch: no optimizer step yet
+        if self._log_base is None or step == self._last_seen_step:  # dense model, or accumulating micro-batch
             return
         self._last_seen_step = step
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:

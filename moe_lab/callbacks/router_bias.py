@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ._dense import without_moe_layers
 from ._logging import log_metrics, logging_step, wandb_loggers
 
 PLOT_NAME = "router_bias_trajectory.png"
@@ -112,7 +113,7 @@ class RouterBiasCallback(Callback):
         self.latest, self.latest_plot = {}, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._layers = bias_layers(pl_module)
+        self._layers = [] if without_moe_layers(self, pl_module) else bias_layers(pl_module)
         self._steps, self._records = [], []
         self._last_seen_step = trainer.global_step
         if self._layers:

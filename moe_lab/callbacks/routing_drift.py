@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from moe_lab.analysis.drift_stats import DRIFT_STATS, RoutingSnapshot, drift_means, drift_sums, snapshot
 from moe_lab.data.packing import is_packed, model_inputs, real_token_mask
 
+from ._dense import without_moe_layers
 from ._logging import log_metrics, logging_step
 
 
@@ -166,6 +167,7 @@ class RoutingDriftCallback(Callback):
         self._take_train_batch = False
         self._last_seen_step: int | None = None
         self._last_probe_step: int | None = None
+        self._dense = False
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -196,6 +198,9 @@ class RoutingDriftCallback(Callback):
         patch, _ = _patch_and_model(pl_module)
         self._last_seen_step = self._last_probe_step = trainer.global_step
         self._take_train_batch = False
+        self._dense = without_moe_layers(self, pl_module)
+        if self._dense:  # no routing to probe
+            return
         if self.baseline is not None:
             indices = [layer.index for layer in patch.layers]
             if indices != self._layer_indices:
@@ -229,7 +234,7 @@ class RoutingDriftCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self._last_seen_step:  # accumulating micro-batch: no optimizer step yet
+        if self._dense or step == self._last_seen_step:  # dense model, or accumulating micro-batch
             return
         self._last_seen_step = step
         if self.every_n_steps and step % self.every_n_steps == 0:

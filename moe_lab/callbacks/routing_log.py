@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ._dense import without_moe_layers
+
 LOG_FILE = "routing_log.jsonl"
 
 
@@ -54,6 +56,9 @@ class RoutingLogCallback(Callback):
         return torch.cat([layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]).clone()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if without_moe_layers(self, pl_module):  # a dense model: no routing, no log file
+            self._base = None
+            return
         self._base = self._totals(pl_module)
         self._last_step = trainer.global_step
         if self.path is None:
@@ -67,7 +72,7 @@ class RoutingLogCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self._last_step or step % self.every_n_steps:
+        if self._base is None or step == self._last_step or step % self.every_n_steps:
             return
         self._last_step = step
         now = self._totals(pl_module)

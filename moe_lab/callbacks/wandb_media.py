@@ -8,6 +8,7 @@ callbacks (``load/heatmap``, ``router_bias/trajectory``).
 from __future__ import annotations
 
 import functools
+import logging
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ._logging import wandb_loggers
+
+log = logging.getLogger(__name__)
 
 GINI_COLUMNS = ("layer", "gini", "tail_share", "tail_experts", "assignments")
 
@@ -89,7 +92,9 @@ class WandbMediaCallback(Callback):
         if not self.log_export or self._hooked or patch is None or not trainer.is_global_zero:
             return
         loggers = wandb_loggers(trainer)
-        if loggers:
+        if loggers and getattr(patch, "export_hooks", None) is None:  # e.g. method=kd's patch of a dense student
+            log.info("%s has no export hooks: WandbMediaCallback cannot upload the export", type(patch).__name__)
+        elif loggers:
             patch.export_hooks.append(functools.partial(self._log_artifact, loggers))  # picklable
             self._hooked = True
 

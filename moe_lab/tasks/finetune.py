@@ -109,7 +109,7 @@ def finetune(cfg: DictConfig) -> dict:
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, method=cfg.method.get("name"))  # dense: DENSE_METHODS
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)

@@ -9,7 +9,6 @@ baselines before distillation.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -31,13 +30,6 @@ from .finetune import finetune
 log = logging.getLogger(__name__)
 
 INITS = ("converted", "random_ffn", "random")
-ROUTING_CALLBACKS = ("ExpertLoadCallback", "RouterBiasCallback", "RoutingDriftCallback")
-
-
-def _is_moe(directory: Path) -> bool:
-    from ..moe.registry import FAMILIES
-
-    return json.loads((directory / "config.json").read_text())["model_type"] in FAMILIES
 
 
 def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
@@ -70,40 +62,6 @@ def reinitialise(student, names: list[str], init: str, seed: int) -> None:
         student._init_weights(module)
 
 
-def load_student(model_cfg):
-    """``(model, tokenizer)`` of an exported student: ``models.load_model``, which validates MoE families
-    only, for an MoE student; vanilla ``from_pretrained`` for a dense one (a to_dense result)."""
-    from transformers import AutoModelForCausalLM
-
-    from ..data.tokenizer import load_tokenizer
-    from ..models import DTYPES
-
-    cfg = to_plain(model_cfg)
-    try:
-        return load_model(cfg)
-    except ValueError as err:
-        if "unsupported model_type" not in str(err):
-            raise
-    model = AutoModelForCausalLM.from_pretrained(cfg["pretrained"], dtype=DTYPES[cfg.get("dtype") or "float32"])
-    tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg["pretrained"])
-    if tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
-
-
-@contextlib.contextmanager
-def _dense_students():
-    """task=finetune's model loading, accepting a dense student (its loader is models.load_model)."""
-    from . import finetune as finetune_module
-
-    original = finetune_module.load_model
-    finetune_module.load_model = load_student
-    try:
-        yield
-    finally:
-        finetune_module.load_model = original
-
-
 def _check(cfg: DictConfig) -> None:
     if not str(cfg.method.get("_target_", "")).endswith("KDModule"):
         raise ValueError(f"task=moe_to_dense distils with method=kd, got method={cfg.method.name}: add method=kd")
@@ -127,11 +85,11 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                                           "compress.export": True}))
     student_dir = Path(converted["export"])
     summary["pre_distill"] = {"ppl": converted["ppl"], "status": converted["status"]}
-    teacher_cfg = to_plain(cfg.model)
+    teacher_cfg, method = to_plain(cfg.model), cfg.method.name
     if cfg.compress.init != "converted":
         teacher, tokenizer = load_model(teacher_cfg)
-        student, _ = load_student({"pretrained": str(student_dir), "tokenizer": teacher_cfg.get("tokenizer"),
-                                 "dtype": teacher_cfg.get("dtype")})
+        student, _ = load_model({"pretrained": str(student_dir), "tokenizer": teacher_cfg.get("tokenizer"),
+                                 "dtype": teacher_cfg.get("dtype")}, method=method)
         reinitialise(student, ffn_names(teacher, student.config.num_hidden_layers), cfg.compress.init,
                      int(cfg.seed))
         student.moe_lab_manifest = {**json.loads((student_dir / "compress_manifest.json").read_text()),
@@ -140,18 +98,11 @@ def moe_to_dense(cfg: DictConfig) -> dict:
         del teacher, student
     student_cfg = {**teacher_cfg, "name": f"{cfg.model.name}_dense", "pretrained": str(student_dir),
                    "config_class": None, "config": None}
-    distill_cfg = _stage(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
-    if not _is_moe(student_dir):  # routing callbacks have nothing to watch in a dense student
-        with open_dict(distill_cfg):
-            for name in [n for n, c in (distill_cfg.callbacks or {}).items()
-                         if c is not None and str(c.get("_target_", "")).endswith(ROUTING_CALLBACKS)]:
-                del distill_cfg.callbacks[name]
-    with _dense_students():
-        distilled = finetune(distill_cfg)
+    distilled = finetune(_stage(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg}))
     summary["distill"] = {k: distilled.get(k) for k in ("global_step", "train/loss", "kd/kl", "kd/top1_agreement",
                                                          "wall_time_s", "export")}
     if distilled.get("export"):
-        model, tokenizer = load_student({**student_cfg, "pretrained": distilled["export"]})
+        model, tokenizer = load_model({**student_cfg, "pretrained": distilled["export"]}, method=method)
         model.eval()
         c = cfg.compress
         ppl_kw = {"max_length": min(int(c.eval.max_length), int(model.config.max_position_embeddings)),
