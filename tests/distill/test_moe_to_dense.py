@@ -44,6 +44,9 @@ def test_pipeline_runs_all_stages(tmp_path):
     assert summary["pre_distill"]["status"] == summary["post_distill"]["status"] == "ok"
     assert summary["distill"]["kd/kl"] > 0 and (run / "plots" / "kd_kl.png").is_file()
     assert json.loads((run / "summary.json").read_text())["init"] == "converted"
+    columns = (run / "distill" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "grad_norm/total" in columns  # the default callbacks run on the dense student (MoE ones do nothing)
+    assert not [c for c in columns if c.startswith(("load/", "drift/"))]
 
 
 def test_baselines_reinitialise_ffn_or_everything():
