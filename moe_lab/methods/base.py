@@ -136,20 +136,26 @@ class MoELightningModule(L.LightningModule):
 
     def _step(self, batch, stage: str):
         mask = real_token_mask(batch)  # packed batches carry no attention mask, only their real tokens
+        inputs = model_inputs(batch)
+        labels = inputs.pop("labels")  # given labels, HF would fold coef * aux into out.loss
         with self.patch.context.real_tokens(mask):
-            out = self.model(**model_inputs(batch))
-        loss = out.loss
+            out = self.model(**inputs)
+        # the token CE exactly as HF computes it inside forward; the aux term is added below, once
+        lm_loss = self.model.loss_function(out.logits, labels, self.model.config.vocab_size)
         aux = getattr(out, "aux_loss", None)
         if self._moe_lab_adds_aux:
             documents = torch.cumsum(batch["position_ids"] == 0, dim=1) if is_packed(batch) else None
             aux = added_aux_loss(self.patch, out.router_logits, mask, documents)
-            loss = loss + self.aux_loss_coef * aux
+        loss = lm_loss
+        if self.aux_loss_coef > 0 and torch.is_tensor(aux):  # the objective: CE + coef * aux
+            loss = lm_loss + self.aux_loss_coef * aux.to(lm_loss.device)
         on_step = stage == "train"
         batch_size = batch["input_ids"].shape[0]
         if on_step:
             self.log(f"{stage}/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
-        else:
-            self._log_val_loss(loss.detach(), supervised_tokens(batch))
+            self.log(f"{stage}/lm_loss", lm_loss.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
+        else:  # val/loss and val/ppl: the language-model CE alone (val/aux_loss is logged apart)
+            self._log_val_loss(lm_loss.detach(), supervised_tokens(batch))
         if aux is not None and torch.is_tensor(aux):
             self.log(f"{stage}/aux_loss", aux.detach(), on_step=on_step, on_epoch=not on_step,
                      sync_dist=not on_step, batch_size=batch_size)
