@@ -90,58 +90,145 @@ def _chunk_terms(h_s, h_t, keep, student_head, teacher_head, kind, temperature, 
     return div, ce, top1
 
 
-def _fkl_chunk(h_s, h_t, keep, student_head, teacher_head, temperature, w_div, want, params):
-    """Forward-KL chunk with its gradient written out: d(tau^2 KL(p_T || p_S))/dz_S = tau (p_S - p_T) per kept
-    row (0 elsewhere), pushed through the student head by one autograd call (no elementwise backward graph)."""
-    tau = float(temperature)
-    with torch.enable_grad():
-        logits_s = student_head(h_s)
-    with torch.no_grad():
-        logits_t = teacher_head(h_t)
-        all_kept = bool(keep.all())
-        z_s, z_t = (logits_s.detach(), logits_t) if all_kept else (logits_s.detach()[keep], logits_t[keep])
-        top1 = (z_s.argmax(-1) == z_t.argmax(-1)).sum()
-        log_s = F.log_softmax(z_s.float() / tau, dim=-1)
-        log_t = F.log_softmax(z_t.float() / tau, dim=-1)
-        p_t = log_t.exp()
-        div = (p_t * (log_t - log_s)).sum() * (tau * tau)
-        grads = None
-        if want:
-            g = log_s.exp_().sub_(p_t).mul_(w_div * tau).to(logits_s.dtype)
-            if not all_kept:
-                g = torch.zeros_like(logits_s).index_put_((keep,), g)
+def _plain_head(head, h: torch.Tensor) -> bool:
+    """True when ``head(h)`` is exactly ``h @ W^T``: a bias-free ``nn.Linear`` (tied or not) without module or
+    global hooks, a plain weight of h's dtype and device, outside autocast. Its gradients can then be written
+    out (G W, G^T h); anything else (LoRA / peft wrappers, biases, sharded weights) goes through autograd."""
+    w = getattr(head, "weight", None)
+    global_hooks = getattr(torch.nn.modules.module, "_has_any_global_hook", lambda: True)
+    return (type(head) is torch.nn.Linear and head.bias is None and type(w) in (torch.nn.Parameter, torch.Tensor)
+            and w.dtype == h.dtype and w.device == h.device and not torch.is_autocast_enabled(h.device.type)
+            and not (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks
+                     or head._backward_pre_hooks or global_hooks()))
+
+
+def _buffer(bufs: dict, name: str, rows: int, cols: int, dtype, device) -> torch.Tensor:
+    """The first ``rows`` rows of a [chunk, cols] buffer reused across chunks (sized by the first, largest
+    chunk), so a chunk's full-vocabulary tensors need no fresh pages."""
+    if name not in bufs or bufs[name].shape[1] != cols or bufs[name].dtype != dtype:
+        bufs[name] = torch.empty(rows, cols, dtype=dtype, device=device)
+    return bufs[name][:rows]
+
+
+def _head_logits(head, h: torch.Tensor, plain: bool, bufs: dict, name: str) -> torch.Tensor:
+    """``head(h)``; for a plain head ``h W^T`` written into a reused buffer."""
+    if not plain:
+        return head(h)
+    w = head.weight.detach()
+    return torch.mm(h, w.t(), out=_buffer(bufs, name, h.shape[0], w.shape[0], w.dtype, w.device))
+
+
+def _lse(top: torch.Tensor, arg: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Row log-sum-exp from the row maximum and the softmax there: lse = max - log p[argmax] (p >= 1 / V)."""
+    return top - p.gather(1, arg[:, None]).squeeze(1).log()
+
+
+def _fkl_terms(z_s, z_t, keep, drop, tau, own_s, bufs, want):
+    """Forward KL of one chunk: ``(tau^2 sum over kept rows of KL(p_T || p_S), top-1 matches, G)`` with
+    ``G = p_S - p_T`` (fp32, zero on dropped rows; the logit gradient of tau^2 KL is tau G). Per row
+    KL = <p_T, z_T' - z_S'> - lse_T' + lse_S' (z' = z / tau, sum p_T = 1), lse = max - log p[argmax], so each
+    model needs one max/argmax and one softmax pass. ``z_t`` is overwritten (it ends up holding G), ``z_s``
+    only when ``own_s`` (and tau != 1)."""
+    if z_s.dtype != torch.float32:
+        z_s, own_s = z_s.float(), True
+    if z_t.dtype != torch.float32:
+        z_t = z_t.float()
+    if tau != 1.0:
+        z_s = z_s.div_(tau) if own_s else z_s / tau
+        z_t = z_t.div_(tau)
+    m_s, a_s = z_s.max(-1)
+    m_t, a_t = z_t.max(-1)
+    p_t = torch.softmax(z_t, -1, out=_buffer(bufs, "p", *z_t.shape, torch.float32, z_t.device))
+    rows = z_t.sub_(z_s).mul_(p_t).sum(-1)  # <p_T, z_T' - z_S'>, in fp32 per row
+    g = torch.softmax(z_s, -1, out=z_t)
+    rows += _lse(m_s, a_s, g) - _lse(m_t, a_t, p_t)
+    match = a_s == a_t
+    if drop is not None:
+        rows, match = rows[keep], match[keep]
     if want:
-        grads = torch.autograd.grad(logits_s, [h_s, *params], grad_outputs=g, allow_unused=True)
-    return div, top1, grads
+        g.sub_(p_t)
+        if drop is not None:
+            g.index_fill_(0, drop, 0.0)
+    return rows.sum() * (tau * tau), match.sum(), g
+
+
+def _accumulate(acc: list, grads) -> None:
+    for j, g in enumerate(grads):
+        if g is not None:
+            acc[j] = g if acc[j] is None else acc[j].add_(g)
+
+
+def _fkl_chunks(hs, ht, keep, student_head, teacher_head, tau, w_div, step, want, params):
+    """Forward KL without labels over all chunks, its logit gradient ``kd_weight * tau (p_S - p_T)`` written
+    out (no elementwise backward graph). A plain bias-free Linear student head gets its gradients by two
+    matmuls per chunk (``grad_h = G W``, ``grad_W += G^T h``, accumulated in place); any other head by one
+    ``autograd.grad`` call per chunk. Returns ``(grad_h, [grad per param], divergence sum, top-1 matches)``."""
+    direct = _plain_head(student_head, hs)
+    plain_t = _plain_head(teacher_head, ht)
+    grad_h = torch.empty_like(hs) if want else None
+    grad_p = [None] * len(params)
+    div = hs.new_zeros((), dtype=torch.float32)
+    top1 = torch.zeros((), dtype=torch.long, device=hs.device)
+    bufs: dict = {}
+    for i in range(0, hs.shape[0], step):
+        h, k = hs[i:i + step].detach(), keep[i:i + step]
+        drop = None if bool(k.all()) else (~k).nonzero().squeeze(1)
+        with torch.no_grad():
+            z_t = _head_logits(teacher_head, ht[i:i + step], plain_t, bufs, "t")
+            if direct:
+                z_s = _head_logits(student_head, h, True, bufs, "s")
+            else:
+                h = h.requires_grad_(want)
+                with torch.enable_grad():
+                    logits_s = student_head(h)
+                z_s = logits_s.detach()
+            d, t, g = _fkl_terms(z_s, z_t, k, drop, tau, direct, bufs, want)
+        div, top1 = div + d, top1 + t
+        if not want:
+            continue
+        scale = w_div * tau
+        if direct:
+            w = student_head.weight.detach()
+            g = g.to(w.dtype)
+            grad_h[i:i + step].addmm_(g, w, beta=0, alpha=scale)
+            if params:  # [weight]: G^T h summed over chunks in one buffer
+                if grad_p[0] is None:
+                    grad_p[0] = torch.empty_like(w).addmm_(g.t(), h, beta=0, alpha=scale)
+                else:
+                    grad_p[0].addmm_(g.t(), h, alpha=scale)
+        else:
+            g = g.mul_(scale).to(logits_s.dtype)
+            grads = torch.autograd.grad(logits_s, [h, *params], grad_outputs=g, allow_unused=True)
+            grad_h[i:i + step] = grads[0]
+            _accumulate(grad_p, grads[1:])
+    return grad_h, grad_p, div, top1
 
 
 class _FusedChunks(torch.autograd.Function):
     """Loss sum over token chunks whose gradients (w.r.t. the student's hidden states and head parameters) are
-    computed chunk by chunk in the forward pass, so no chunk's logits outlive it and nothing is recomputed."""
+    computed chunk by chunk in the forward pass, so no chunk's logits outlive it and nothing is recomputed.
+    The gradients are handed to autograd once (backward with retain_graph a second time is refused), so the
+    head's gradient buffer becomes ``.grad`` without a copy."""
 
     @staticmethod
     def forward(ctx, hs, ht, keep, labels, setup, *params):
         student_head, teacher_head, kind, temperature, beta, w_div, w_ce, step, want, analytic = setup
-        analytic = analytic and kind == "forward_kl" and labels is None
+        ctx.want = want
+        if analytic and kind == "forward_kl" and labels is None:
+            grad_h, grad_p, div, top1 = _fkl_chunks(hs, ht, keep, student_head, teacher_head, temperature,
+                                                    w_div, step, want, params)
+            ce = torch.zeros_like(div)
+            ctx.grads = [grad_h, *grad_p] if want else None
+            ctx.mark_non_differentiable(div, ce, top1)
+            return div * w_div, div, ce, top1
         grad_h = torch.zeros_like(hs) if want else None
-        grad_p = [torch.zeros_like(p) for p in params] if want else []
+        grad_p = [None] * len(params)
         total = hs.new_zeros((), dtype=torch.float32)
         div = total.clone()
         ce = total.clone()
         top1 = torch.zeros((), dtype=torch.long, device=hs.device)
         for i in range(0, hs.shape[0], step):
             lab = None if labels is None else labels[i:i + step]
-            if analytic:
-                h = hs[i:i + step].detach().requires_grad_(want)
-                d, t, grads = _fkl_chunk(h, ht[i:i + step], keep[i:i + step], student_head, teacher_head,
-                                         temperature, w_div, want, params)
-                if want:
-                    grad_h[i:i + step] = grads[0]
-                    for acc, g in zip(grad_p, grads[1:]):
-                        if g is not None:
-                            acc += g
-                total, div, top1 = total + w_div * d, div + d, top1 + t
-                continue
             with torch.enable_grad():
                 h = hs[i:i + step].detach().requires_grad_(want)
                 d, c, t = _chunk_terms(h, ht[i:i + step], keep[i:i + step], student_head, teacher_head, kind,
@@ -150,21 +237,24 @@ class _FusedChunks(torch.autograd.Function):
                 if want:
                     grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
                     grad_h[i:i + step] = grads[0]
-                    for acc, g in zip(grad_p, grads[1:]):
-                        if g is not None:
-                            acc += g
+                    _accumulate(grad_p, grads[1:])
             total, div, ce, top1 = total + loss.detach(), div + d.detach(), ce + c.detach(), top1 + t
-        ctx.save_for_backward(*([grad_h, *grad_p] if want else []))
+        ctx.grads = [grad_h, *grad_p] if want else None
         ctx.mark_non_differentiable(div, ce, top1)
         return total, div, ce, top1
 
     @staticmethod
     def backward(ctx, g_total, g_div, g_ce, g_top1):
-        saved = ctx.saved_tensors
-        if not saved:
+        if not ctx.want:
             return (None,) * len(ctx.needs_input_grad)
-        grad_h, *grad_p = saved
-        return (grad_h * g_total, None, None, None, None, *[g * g_total for g in grad_p])
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("chunked_head_kd: its gradients were computed in the forward pass and are handed "
+                               "over once; backward through the same loss twice (retain_graph) is not supported")
+        if not (g_total.device.type == "cpu" and bool(g_total == 1)):
+            grads = [g if g is None else g.mul_(g_total) for g in grads]
+        grad_h, *grad_p = grads
+        return (grad_h, None, None, None, None, *grad_p)
 
 
 def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,
