@@ -56,9 +56,10 @@ def reinitialise(student, names: list[str], init: str, seed: int) -> None:
     torch.manual_seed(seed)
     modules = list(student.modules()) if init == "random" else [
         m for n in names for m in student.get_submodule(n).modules()]
-    for module in modules:
-        if hasattr(module, "_is_hf_initialized"):
-            module._is_hf_initialized = False
+    for module in modules:  # from_pretrained marks modules AND tensors as initialised: init.* would skip them
+        for item in (module, *module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if getattr(item, "_is_hf_initialized", False):
+                item._is_hf_initialized = False
         student._init_weights(module)
 
 

@@ -9,7 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from moe_lab.compress.calibration import calibrate
-from moe_lab.compress.dense import to_dense
+from moe_lab.compress.dense import export_compressed, to_dense
+from moe_lab.models import load_model
 from moe_lab.tasks.moe_to_dense import ffn_names, reinitialise
 from tests.conftest import ROOT, build_tiny, random_batch, word_text
 
@@ -49,14 +50,20 @@ def test_pipeline_runs_all_stages(tmp_path):
     assert not [c for c in columns if c.startswith(("load/", "drift/"))]
 
 
-def test_baselines_reinitialise_ffn_or_everything():
+@pytest.mark.parametrize("source", ["memory", "export"])
+def test_baselines_reinitialise_ffn_or_everything(source, tmp_path):
+    """``export``: the student as the task has it, reloaded by load_model (from_pretrained marks its tensors as
+    initialised, which transformers' init functions would skip)."""
     teacher = build_tiny("qwen3_moe").eval()
     cal = calibrate(teacher, [random_batch(batch=2, seq=16, pad_rows=())])
     names = ffn_names(teacher, teacher.config.num_hidden_layers)
     assert names == [f"model.layers.{i}.mlp" for i in range(3)]
     converted = to_dense(teacher, cal, K=4).state_dict()
+    if source == "export":
+        export_compressed(to_dense(teacher, cal, K=4), tmp_path / "student")
     for init in ("random_ffn", "random"):
-        student = to_dense(teacher, cal, K=4)
+        student = to_dense(teacher, cal, K=4) if source == "memory" else load_model(
+            {"pretrained": str(tmp_path / "student"), "tokenizer": "byte"}, method="kd")[0]
         reinitialise(student, names, init, seed=0)
         std = student.config.initializer_range
         for key, value in student.state_dict().items():
