@@ -77,6 +77,12 @@ COMPRESSION = {
     "condense/deepseek_moe_sr": {"model": DSV2, "routed": 6, "layers": 9},
     "condense/qwen1_5_moe_s": {"model": QWEN15, "routed": 0, "layers": 6},
     "condense/qwen1_5_moe_sr": {"model": QWEN15, "routed": 4, "layers": 6},
+    # CD-MoE + SFT (3.8, A4-3) on Commonsense-170K: the paper's lr 1e-4, 10% warm-up, cosine, bf16; [CD-code]'s
+    # 1 epoch, batch 8, 256 tokens; cd_sft_recipe=code: lr 1e-5, linear, a C4 epoch (10k x 256 tokens) first
+    "condense/deepseek_moe_s_sft": {"model": DSV2, "routed": 0, "layers": 8, "sft": "commonsense170k"},
+    "condense/deepseek_moe_sr_sft": {"model": DSV2, "routed": 6, "layers": 9, "sft": "commonsense170k"},
+    "condense/qwen1_5_moe_s_sft": {"model": QWEN15, "routed": 0, "layers": 6, "sft": "commonsense170k"},
+    "condense/qwen1_5_moe_sr_sft": {"model": QWEN15, "routed": 4, "layers": 6, "sft": "commonsense170k"},
 }
 CD_MOE_TASKS = {"arc_challenge", "boolq", "hellaswag", "mmlu", "openbookqa", "piqa", "rte", "winogrande"}
 
@@ -121,6 +127,18 @@ def test_compression_preset_carries_the_papers_values(preset):
         assert (c.expert_selection, c.layer_selection) == ("greedy", "greedy")
         assert (c.search.num_sequences, c.search.seq_len) == (100, 256)
         assert set(c.eval.tasks) == CD_MOE_TASKS
+        if "sft" in want:
+            task, data, choices = cfg.task, cfg.dataset, cfg.hydra.runtime.choices
+            assert (choices.task, choices.method, choices.dataset) == ("cd_moe_sft", "condense_sft", want["sft"])
+            assert (task.optim.lr, task.scheduler.name, task.scheduler.warmup_ratio, task.scheduler.warmup_steps,
+                    task.scheduler.min_lr_ratio) == (1e-4, "cosine", 0.1, 0, 0.0)
+            assert (task.trainer.max_epochs, task.trainer.max_steps, cfg.cd_sft.lm_stage) == (1, -1, None)
+            assert (data.batch_size * task.trainer.accumulate_grad_batches, data.max_length) == (8, 256)
+            assert cfg.hardware.trainer.precision == "bf16-mixed" and cfg.model.dtype == "bfloat16"
+            code = _compose(f"experiment={preset}", "cd_sft_recipe=code")
+            lm = code.cd_sft.lm_stage.dataset
+            assert (code.task.optim.lr, code.task.scheduler.name, code.task.trainer.max_epochs) == (1e-5, "linear", 1)
+            assert (lm.path, lm.block_size, lm.batch_size, lm.num_blocks) == ("allenai/c4", 256, 8, 10000)
         return
     task, data = cfg.task, cfg.dataset
     assert cfg.hydra.runtime.choices.method == "kd" and cfg.method.options.loss == want["loss"]

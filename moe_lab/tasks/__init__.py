@@ -56,6 +56,7 @@ def _analysis(module: str, function: str):
 
 TASKS["estimate"] = _analysis("estimate", "estimate_task")
 TASKS["condense"] = _analysis("condense", "condense_task")
+TASKS["cd_moe_sft"] = _analysis("cd_moe_sft", "cd_moe_sft")
 TASKS["correlation"] = _analysis("correlation", "correlation_task")
 TASKS["activation_stats"] = _analysis("activation_stats", "activation_stats_task")
 TASKS["offload"] = _analysis("offload", "offload_task")

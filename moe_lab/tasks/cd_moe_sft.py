@@ -1,0 +1,130 @@
+"""task=cd_moe_sft: the CD-MoE "+ SFT" rows (compression spec 3.8, 3.9) in one run.
+
+Stages, each the existing task on a copy of the config: ``calibrate/`` (task=calibrate on the search data,
+skipped with ``condense.calibration_file``), ``condense/`` (task=condense, condensed export), optionally
+``lm/`` ([CD-code] recipe: one language-modelling epoch on ``cd_sft.lm_stage.dataset`` with method=condense_sft),
+then the task SFT (task=finetune, method=condense_sft) in the run directory itself (``metrics.csv``,
+``checkpoints/``, ``export/``), then lm-eval on the reloaded export (``condense.eval``). ``cd_sft.condensed``
+starts from an existing task=condense export instead of the first two stages. ``summary.json`` holds the
+results table that ``python -m experiments.collect condense <run>`` compares with the paper.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ..plain import to_plain
+from .calibrate import calibrate_task
+from .condense import condense_task
+from .finetune import finetune
+
+# lm-eval task -> (results column, metric): acc_norm where lm-eval has it, acc otherwise (spec A4-6)
+COLUMNS = {"arc_challenge": ("ARC-C", "acc_norm"), "boolq": ("BoolQ", "acc"), "hellaswag": ("HellaSwag", "acc_norm"),
+           "mmlu": ("MMLU", "acc"), "openbookqa": ("OBQA", "acc_norm"), "piqa": ("PIQA", "acc_norm"),
+           "rte": ("RTE", "acc"), "winogrande": ("WinoGrande", "acc")}
+STAGE_KEYS = ("train/loss", "global_step", "wall_time_s", "export")
+
+
+def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
+    """A copy of ``cfg`` writing to ``out`` with dotted-key updates (interpolations kept, so the loggers'
+    ``${paths.output_dir}`` follows ``out``)."""
+    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    out.mkdir(parents=True, exist_ok=True)
+    with open_dict(sub):
+        for key, value in {"paths.output_dir": str(out), **updates}.items():
+            OmegaConf.update(sub, key, value, merge=False)
+    return sub
+
+
+def _check(cfg: DictConfig) -> None:
+    if not str(cfg.method.get("_target_", "")).endswith("CondenseSFTModule"):
+        raise ValueError(f"task=cd_moe_sft trains with method=condense_sft, got method={cfg.method.name}: add "
+                         "method=condense_sft (or use a preset: experiment=condense/deepseek_moe_sr_sft)")
+    if cfg.condense.method != "cd_moe":
+        raise ValueError(f"task=cd_moe_sft condenses (condense.method=cd_moe), got condense.method="
+                         f"{cfg.condense.method}: LayerTrim/BlockTrim leave no experts to fine-tune")
+    if cfg.cd_sft.condensed and not (Path(cfg.cd_sft.condensed) / "condense_manifest.json").is_file():
+        raise FileNotFoundError(f"cd_sft.condensed={cfg.cd_sft.condensed} has no condense_manifest.json: pass a "
+                                "task=condense export directory (<run>/export) or null to condense here")
+
+
+def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
+    """(condensed export directory, condense-stage summary): calibrate on the search data, then condense."""
+    c = cfg.condense
+    calibration = c.calibration_file
+    if not calibration:
+        s = c.search
+        calibration = calibrate_task(_stage(cfg, out / "calibrate", **{
+            "compress.calibration.dataset": to_plain(s.dataset), "compress.calibration.num_sequences": s.num_sequences,
+            "compress.calibration.seq_len": s.seq_len, "compress.calibration.sample": s.sample,
+            "compress.calibration.pool_blocks": s.pool_blocks, "compress.calibration.seed": s.seed,
+            "compress.calibration.batch_size": s.batch_size}))["calibration"]
+    tasks = list(c.eval.tasks) if cfg.cd_sft.eval_condensed else []
+    summary = condense_task(_stage(cfg, out / "condense", **{
+        "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks}))
+    return summary["export"], {k: summary.get(k) for k in ("layers", "experts", "memory_ratio", "params_after",
+                                                             "params_before", "export", "eval")}
+
+
+def results_table(metrics: dict, tasks: list[str], model: str, method: str):
+    """:class:`ResultsTable` (percent) of lm-eval metrics ``{task: {metric: value}}``; one column per task."""
+    from ..eval.results import ResultsTable
+
+    table = ResultsTable()
+    for task in tasks:
+        title, metric = COLUMNS.get(task, (task, "acc_norm" if "acc_norm" in metrics.get(task, {}) else "acc"))
+        value = metrics.get(task, {}).get(metric)
+        table.add(model, method, title, None if value is None else 100 * value)
+    return table
+
+
+def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
+    import torch
+
+    from ..compress.condense import load_condensed
+    from ..data.tokenizer import load_tokenizer
+    from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
+
+    e = cfg.condense.eval
+    model = load_condensed(export, device="cuda" if torch.cuda.is_available() else "cpu").eval()
+    has_tokenizer = any((export / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(str(export) if has_tokenizer else cfg.model.tokenizer or cfg.model.pretrained)
+    result = evaluate_with_lm_eval(model, tokenizer, list(e.tasks), limit=e.limit, batch_size=int(e.batch_size),
+                                   hub_tasks=bool(e.hub_tasks))
+    metrics = lm_eval_metrics(result)
+    table = results_table(metrics, list(e.tasks), cfg.model.name, label)
+    return {"eval": metrics, "table": table.to_json(), "columns": table.columns, "limit": e.limit}
+
+
+def cd_moe_sft(cfg: DictConfig) -> dict:
+    """Condense, fine-tune the retained experts, evaluate; writes ``summary.json`` in the run directory."""
+    _check(cfg)
+    out = Path(cfg.paths.output_dir)
+    start = time.time()
+    label = "cd_moe_s" if int(cfg.condense.routed_experts) == 0 else "cd_moe_sr"
+    summary: dict = {"model": cfg.model.name, "method": label, "recipe": to_plain(cfg.cd_sft)}
+    if cfg.cd_sft.condensed:
+        export = str(cfg.cd_sft.condensed)
+    else:
+        export, summary["condense"] = _condense(cfg, out)
+    lm = cfg.cd_sft.get("lm_stage")
+    if lm:
+        lm_run = finetune(_stage(cfg, out / "lm", dataset=to_plain(lm.dataset),
+                                 **{"method.options.condensed": export}))
+        summary["lm_stage"] = {k: lm_run.get(k) for k in STAGE_KEYS}
+        export = lm_run["export"]
+    sft = finetune(_stage(cfg, out, **{"method.options.condensed": export}))
+    summary["sft"] = {k: sft.get(k) for k in STAGE_KEYS}
+    if sft.get("export") and list(cfg.condense.eval.tasks):
+        summary.update(_evaluate(cfg, Path(sft["export"]), label))
+        summary["checkpoint"] = sft["export"]  # experiments.collect: the training run is this run directory
+        values = [c["value"] for c in summary["table"]]
+        print(f"==== moe-lab cd_moe_sft ({label}): mean of {len(values)} lm-eval tasks "
+              f"{sum(values) / max(len(values), 1):.2f}", flush=True)
+    summary["wall_time_s"] = round(time.time() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

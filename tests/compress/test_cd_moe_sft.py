@@ -1,0 +1,146 @@
+"""task=cd_moe_sft end to end on a tiny DeepSeek-V2: calibrate -> condense -> SFT (retained experts only) -> lm-eval."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from moe_lab.compress import load_condensed
+from tests.compress.test_cd_moe_sft_mmlu import ROWS
+from tests.conftest import ROOT, word_text
+
+SEARCH = ["num_sequences=4", "seq_len=16", "batch_size=2", "sample=first"]
+EVAL = ["condense.eval.tasks=[boolq]", "condense.eval.limit=2", "condense.eval.hub_tasks=false",
+        "condense.eval.batch_size=2"]
+
+
+def _compose(out, *overrides, method="condense_sft"):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"paths.output_dir={out}", "task=cd_moe_sft", f"method={method}",
+                                            "model=tiny_deepseek_v2", "hardware=cpu", *overrides])
+
+
+def _retained(layer: int) -> set[str]:
+    """The condensed layer's own tensors: packed slices of the retained routed experts + the shared expert."""
+    prefix = f"model.layers.{layer}.mlp."
+    return {prefix + n for n in ("gate_up_proj", "down_proj", "shared_experts.gate_proj.weight",
+                                 "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")}
+
+
+def _state(path) -> dict[str, torch.Tensor]:
+    return load_condensed(path).state_dict()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """One paper-recipe run: MMLU-style SFT rows, 3 steps, lm-eval boolq on 2 rows."""
+    from moe_lab.tasks import run_task
+
+    tmp = tmp_path_factory.mktemp("cd_moe_sft")
+    text = word_text(tmp / "c4.txt", 30)
+    (tmp / "mmlu.json").write_text(json.dumps(ROWS * 4))
+    cfg = _compose(tmp / "run", "dataset=mmlu_train", f"dataset.path={tmp / 'mmlu.json'}", "dataset.max_length=512",
+                   "dataset.batch_size=2", f"condense.search.dataset.path={text}", "condense.routed_experts=2",
+                   "condense.num_layers=1", *[f"condense.search.{d}" for d in SEARCH], "task.trainer.max_steps=3",
+                   "task.optim.lr=1e-2", *EVAL)
+    return cfg, run_task(cfg), tmp
+
+
+@pytest.mark.slow
+def test_chain_trains_only_retained_experts_and_evaluates_the_export(chain):
+    from moe_lab.methods.condense_sft import CondenseSFTModule
+    from tests.conftest import build_tiny, random_batch
+
+    cfg, summary, _ = chain
+    run = cfg.paths.output_dir
+    [layer] = summary["condense"]["layers"]
+    assert summary["method"] == "cd_moe_sr" and summary["sft"]["global_step"] == 3
+    assert len(summary["condense"]["experts"][str(layer)]) == 2
+    # only the condensed layer's retained experts (packed routed slices + shared expert) moved
+    before, after = _state(summary["condense"]["export"]), _state(summary["sft"]["export"])
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == _retained(layer)
+    assert after[f"model.layers.{layer}.mlp.gate_up_proj"].shape[0] == 2  # only the 2 retained routed experts are stored
+    # the export is the trained module of the last checkpoint: identical logits after reload
+    ckpt = torch.load(f"{run}/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 3
+    module = CondenseSFTModule(build_tiny("deepseek_v2"), options={"condensed": summary["condense"]["export"]})
+    module.load_state_dict(ckpt["state_dict"])
+    module.eval()
+    back = load_condensed(summary["checkpoint"]).eval()
+    batch = random_batch(2, 8, seed=5)
+    with torch.no_grad():
+        assert torch.equal(back(**batch).logits, module.model(**batch).logits)
+    # lm-eval stage: percent table of the A4-6 metric (boolq: acc)
+    assert summary["table"] == [{"model": "tiny_deepseek_v2", "method": "cd_moe_sr", "column": "BoolQ",
+                                 "value": 100 * summary["eval"]["boolq"]["acc"], "averaged": True}]
+    assert summary["eval"]["boolq"]["sample_len"] == 2 and summary["limit"] == 2
+
+
+@pytest.mark.slow
+def test_collector_prints_the_run_beside_the_paper(chain, capsys):
+    """experiments.collect reads the run: labels, the SFT dataset (the run's own dataset choice) and eval.layers."""
+    from experiments import collect
+
+    cfg, summary, tmp = chain
+    run = cfg.paths.output_dir
+    (tmp / "run" / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as run.py writes them
+    (tmp / "run" / ".hydra").mkdir(exist_ok=True)
+    (tmp / "run" / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      dataset: mmlu_train\n")
+    reported = tmp / "reported.csv"
+    with open(reported, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(collect.FIELDS)
+        writer.writerow(("Main", "Tiny", "tiny_deepseek_v2", "CD-MoE-SR + SFT", "cd_moe_sr", "mmlu_train", "layers=1",
+                         "Avg.", "acc", "40", "test"))
+        writer.writerow(("Main", "Tiny", "tiny_deepseek_v2", "CD-MoE-SR + SFT", "cd_moe_sr", "mmlu_train", "layers=9",
+                         "Avg.", "acc", "60", "test"))
+    assert collect.main(["condense", run, "--reported", str(reported)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "CD-MoE-SR + SFT" in line]
+    ours = 100 * summary["eval"]["boolq"]["acc"]
+    assert lines[0].split("|")[6:9] == [" 40.00 ", f" {ours:.2f}* ", f" {ours - 40:+.2f} "]
+    assert " n/a" in lines[1].split("|")[7]  # layers=9: another condensed model, not matched
+
+
+@pytest.mark.slow
+def test_code_recipe_runs_a_c4_stage_first_at_lr_1e5(chain):
+    """cd_sft_recipe=code from the chain's condensed export: LM stage on text, then the task SFT from its export."""
+    from moe_lab.tasks import run_task
+
+    _, first, tmp = chain
+    text = tmp / "c4.txt"
+    cfg = _compose(tmp / "code", "cd_sft_recipe=code", f"cd_sft.condensed={first['condense']['export']}",
+                   f"cd_sft.lm_stage.dataset.path={text}", "cd_sft.lm_stage.dataset.block_size=32",
+                   "cd_sft.lm_stage.dataset.num_blocks=4", "cd_sft.lm_stage.dataset.batch_size=2",
+                   "dataset=mmlu_train", f"dataset.path={tmp / 'mmlu.json'}", "dataset.max_length=512",
+                   "dataset.batch_size=2", "task.trainer.max_steps=2", "condense.eval.tasks=[]")
+    summary = run_task(cfg)
+    assert summary["lm_stage"]["global_step"] == 2 and summary["sft"]["global_step"] == 2
+    assert "calibrate" not in {p.name for p in (tmp / "code").iterdir()}
+    for stage in ("lm", "."):
+        with open(tmp / "code" / stage / "metrics.csv") as f:
+            lrs = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
+        assert max(lrs) == pytest.approx(1e-5, rel=1e-6)
+    lm, final = _state(summary["lm_stage"]["export"]), _state(summary["sft"]["export"])
+    start = _state(first["condense"]["export"])
+    [layer] = first["condense"]["layers"]
+    assert {k for k in start if not torch.equal(start[k], lm[k])} == _retained(layer)  # the LM stage trained ...
+    assert {k for k in lm if not torch.equal(lm[k], final[k])} == _retained(layer)  # ... the SFT went on from it
+
+
+def test_chain_refuses_other_methods_and_trims(tmp_path):
+    from moe_lab.tasks import run_task
+
+    with pytest.raises(ValueError, match="method=condense_sft"):
+        run_task(_compose(tmp_path, method="sft"))
+    with pytest.raises(ValueError, match="condense.method=layer_trim"):
+        run_task(_compose(tmp_path, "condense.method=layer_trim"))
+    with pytest.raises(FileNotFoundError, match="cd_sft.condensed="):
+        run_task(_compose(tmp_path, f"cd_sft.condensed={tmp_path}"))
