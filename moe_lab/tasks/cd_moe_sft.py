@@ -83,6 +83,8 @@ def results_table(metrics: dict, tasks: list[str], model: str, method: str):
 
 
 def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
+    import gc
+
     import torch
 
     from ..compress.condense import load_condensed
@@ -90,11 +92,14 @@ def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
     from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
 
     e = cfg.condense.eval
+    gc.collect()  # the training stage's trainer/module cycles: free their device memory first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     model = load_condensed(export, device="cuda" if torch.cuda.is_available() else "cpu").eval()
     has_tokenizer = any((export / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(str(export) if has_tokenizer else cfg.model.tokenizer or cfg.model.pretrained)
     result = evaluate_with_lm_eval(model, tokenizer, list(e.tasks), limit=e.limit, batch_size=int(e.batch_size),
-                                   hub_tasks=bool(e.hub_tasks))
+                                   hub_tasks=bool(e.hub_tasks), data_dir=cfg.paths.data_dir)
     metrics = lm_eval_metrics(result)
     table = results_table(metrics, list(e.tasks), cfg.model.name, label)
     return {"eval": metrics, "table": table.to_json(), "columns": table.columns, "limit": e.limit}

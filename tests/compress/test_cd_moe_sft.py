@@ -144,3 +144,17 @@ def test_chain_refuses_other_methods_and_trims(tmp_path):
         run_task(_compose(tmp_path, "condense.method=layer_trim"))
     with pytest.raises(FileNotFoundError, match="cd_sft.condensed="):
         run_task(_compose(tmp_path, f"cd_sft.condensed={tmp_path}"))
+
+
+def test_results_table_uses_acc_norm_where_the_spec_says():
+    """A4-6: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for BoolQ, MMLU, RTE, WinoGrande; percent; Avg. of 8."""
+    from moe_lab.tasks.cd_moe_sft import results_table
+
+    tasks = ["arc_challenge", "boolq", "hellaswag", "mmlu", "openbookqa", "piqa", "rte", "winogrande"]
+    metrics = {t: {"acc": 0.01 * (i + 1), "acc_norm": 0.1 * (i + 1)} for i, t in enumerate(tasks)}
+    metrics["mmlu"] = {"acc": 0.04}  # an lm-eval group: acc only
+    table = results_table(metrics, tasks, "m", "cd_moe_sr")
+    row = table.cells[("m", "cd_moe_sr")]
+    assert row == pytest.approx({"ARC-C": 10.0, "BoolQ": 2.0, "HellaSwag": 30.0, "MMLU": 4.0, "OBQA": 50.0,
+                                 "PIQA": 60.0, "RTE": 7.0, "WinoGrande": 8.0}, rel=1e-12)
+    assert table.average(("m", "cd_moe_sr")) == (pytest.approx((10 + 2 + 30 + 4 + 50 + 60 + 7 + 8) / 8), 8)
