@@ -258,3 +258,42 @@ def test_resume_in_window_mode_equals_the_uninterrupted_run(tmp_path):
         assert torch.load(ckpt, weights_only=True)["_Rows"] == {"train_loader": position}
         resumed = _fit(rows, ckpt_path=str(ckpt))
         assert all(torch.equal(resumed[k], straight[k]) for k in straight), stop
+
+
+class _SaveAt(L.Callback):
+    """Writes a checkpoint after micro-batch ``batch_idx`` (mid-window), as CheckpointOnSignal does after the
+    micro-batch during which a signal arrived; records each batch's announced and own real tokens."""
+
+    def __init__(self, path=None, batch_idx=None):
+        self.path, self.batch_idx, self.seen = path, batch_idx, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((batch_idx, batch[WINDOW_TOKENS], int(batch["attention_mask"].sum())))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_mid_window_checkpoint_saves_the_consumed_position(tmp_path):
+    """Saved after micro-batch 2 of 5 (the first of window [2, 3]): the loader has read batch 3 ahead but the
+    position is 3 batches; the resumed run's first window is what is left of it ([3]), then the partial [4]."""
+    rows, ckpt = _rows(REAL[:10]), tmp_path / "mid.ckpt"
+
+    def fit(callback, ckpt_path=None):
+        L.seed_everything(0)
+        module = _module(1e-2)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, callbacks=[callback],
+                            max_steps=3, accumulate_grad_batches=2, default_root_dir=tmp_path)
+        trainer.fit(module, datamodule=_Rows(rows, batch_size=2, shuffle=True), ckpt_path=ckpt_path)
+        assert trainer.global_step == 3 and module.normalised_by == "loss"
+
+    first = _SaveAt(ckpt, batch_idx=2)
+    fit(first)
+    own = [n for _, _, n in first.seen]
+    assert [w for _, w, _ in first.seen] == [own[0] + own[1]] * 2 + [own[2] + own[3]] * 2 + [own[4]]
+    assert torch.load(ckpt, weights_only=True)["_Rows"] == {"train_loader": {"epoch": 0, "batches": 3}}
+    resumed = _SaveAt()
+    fit(resumed, ckpt_path=str(ckpt))
+    assert resumed.seen == [(3, own[3], own[3]), (4, own[4], own[4])]
