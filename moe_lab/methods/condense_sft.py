@@ -10,11 +10,12 @@ after training is the same format (``load_condensed`` reads it).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from ..compress.condense import CondensedLayer, export_condensed, load_condensed
+from ..compress.condense import CONDENSE_FILE, CondensedLayer, export_condensed, load_condensed
 from .base import MoELightningModule
 
 
@@ -49,13 +50,16 @@ class CondenseSFTModule(MoELightningModule):
         kwargs.setdefault("method", "sft")
         super().__init__(condensed, options=options, **kwargs)
         self.trainable_names = condensed_trainable(condensed)
-        self.patch.export_hooks.append(lambda directory: _rewrite_export(condensed, directory))
+        self.patch.export_hooks.append(lambda directory: _rewrite_export(condensed, directory, path))
         self.hparams["options"] = {"condensed": str(path), **options}
 
 
-def _rewrite_export(model: torch.nn.Module, directory) -> None:
+def _rewrite_export(model: torch.nn.Module, directory, source) -> None:
     """Replace save_pretrained's weights (HF converts packed experts to its hub layout on save, which the
-    condensed layers do not have) by :func:`export_condensed`'s single file + manifest."""
+    condensed layers do not have) by :func:`export_condensed`'s single file + manifest; the manifest keeps the
+    source export's provenance (search knobs, calibration) and names the source as ``condensed_from``."""
     for file in [*Path(directory).glob("*.safetensors"), *Path(directory).glob("*.safetensors.index.json")]:
         file.unlink()
-    export_condensed(model, directory)
+    before = json.loads((Path(source) / CONDENSE_FILE).read_text())
+    extra = {k: v for k, v in before.items() if k not in ("method", "dtype", "layers")}
+    export_condensed(model, directory, extra={**extra, "condensed_from": str(source)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,14 @@ def test_results_table_uses_acc_norm_where_the_spec_says():
     assert row == pytest.approx({"ARC-C": 10.0, "BoolQ": 2.0, "HellaSwag": 30.0, "MMLU": 4.0, "OBQA": 50.0,
                                  "PIQA": 60.0, "RTE": 7.0, "WinoGrande": 8.0}, rel=1e-12)
     assert table.average(("m", "cd_moe_sr")) == (pytest.approx((10 + 2 + 30 + 4 + 50 + 60 + 7 + 8) / 8), 8)
+
+
+@pytest.mark.slow
+def test_exports_keep_the_search_provenance(chain):
+    """The SFT export's manifest carries the condense stage's knobs and calibration, and names its source."""
+    _, summary, _ = chain
+    source = json.loads((Path(summary["condense"]["export"]) / "condense_manifest.json").read_text())
+    final = json.loads((Path(summary["checkpoint"]) / "condense_manifest.json").read_text())
+    assert final["condensed_from"] == summary["condense"]["export"]
+    assert final["knobs"] == source["knobs"] and final["calibration"] == source["calibration"]
+    assert final["layers"] == source["layers"] and final["knobs"]["routed_experts"] == 2
