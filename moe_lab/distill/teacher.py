@@ -14,7 +14,8 @@ WEIGHT_RULES = ("family", "raw")
 
 
 def load_teacher(teacher) -> nn.Module:
-    """A frozen teacher in eval mode: a loaded module, a ``conf/model`` entry (dict) or a checkpoint path."""
+    """A frozen teacher in eval mode: a loaded module, a ``conf/model`` entry (dict) or a checkpoint path.
+    An MoE of moe-lab's families or a dense causal LM (dense -> dense KD): loaded as for ``method=kd``."""
     from ..models import load_model
     from ..plain import to_plain
 
@@ -26,7 +27,7 @@ def load_teacher(teacher) -> nn.Module:
         spec = to_plain(teacher)
         if isinstance(spec, (str, Path)):
             spec = {"pretrained": str(spec), "tokenizer": str(spec)}
-        model, _ = load_model(spec)
+        model, _ = load_model(spec, method="kd")
     model.eval()
     model.requires_grad_(False)
     return model
@@ -53,7 +54,11 @@ class WidenedRouting(ConventionalRouting):
 def widen_teacher(teacher: nn.Module, top_k: int, weight_rule: str = "family"):
     """Install moe-lab blocks in ``teacher`` routing every token to ``top_k`` experts; returns the patch."""
     from ..methods.registry import apply
+    from ..moe.registry import supported_families
 
+    if teacher.config.model_type not in supported_families():
+        raise ValueError(f"method.options.teacher_top_k={top_k} widens an MoE teacher's routing, but the teacher is "
+                         f"a dense {teacher.config.model_type!r} model: set method.options.teacher_top_k=null")
     if weight_rule not in WEIGHT_RULES:
         raise ValueError(f"method.options.teacher_weight_rule={weight_rule!r}: choose family or raw")
     patch = apply(teacher, "sft")

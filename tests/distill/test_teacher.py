@@ -1,10 +1,14 @@
 """Widened teacher routing (spec 2.9 / 2.15 item 17): k' = k reproduces the teacher; k' = E with the family's
-renormalisation equals the full-softmax mixture; k' > E is refused."""
+renormalisation equals the full-softmax mixture; k' > E is refused. A dense teacher loads and distils (vanilla HF
+logits; the fit step's gradient against an unchunked kd_loss)."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
+import transformers
+from torch.utils.data import DataLoader
 
 from moe_lab.distill import widen_teacher
 from tests.conftest import build_tiny, random_batch
@@ -58,3 +62,71 @@ def test_raw_rule_differs_for_a_renormalising_family_and_k_prime_checked():
         widen_teacher(model, 9)
     with pytest.raises(ValueError, match="teacher_weight_rule='p'"):
         widen_teacher(model, 2, weight_rule="p")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A dense teacher (dense -> dense KD, e.g. distilling a converted student further)
+
+DENSE_QWEN3 = {"vocab_size": 384, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+               "tie_word_embeddings": False}
+
+
+def _dense(seed: int):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**DENSE_QWEN3))
+
+
+class _FirstGrads(L.Callback):
+    """The student's gradients of the first optimizer step, as the optimizer sees them."""
+
+    grads = None
+
+    def on_train_start(self, trainer, pl_module):
+        def grab(opt, args, kwargs):
+            if self.grads is None:
+                self.grads = {n: p.grad.clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+        trainer.optimizers[0].register_step_post_hook(grab)
+
+
+def test_dense_teacher_loads_and_distils_a_dense_student(tmp_path):
+    """Oracle: vanilla ``AutoModelForCausalLM.from_pretrained`` teacher logits (bit-exact), and for the fit step
+    the gradient of ``kd_loss`` (unchunked, full logits of a separately built student and the vanilla teacher)."""
+    from moe_lab.data.tokenizer import load_tokenizer
+    from moe_lab.distill import kd_loss, load_teacher
+    from moe_lab.methods.distill import KDModule
+
+    _dense(0).save_pretrained(tmp_path / "teacher")
+    load_tokenizer("byte").save_pretrained(tmp_path / "teacher")
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "teacher").eval()
+    batch = random_batch(batch=2, seq=10, pad_rows=((1, 4),))  # 10 + 6 real tokens
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        ref = vanilla(**inputs).logits
+        for spec in (str(tmp_path / "teacher"), {"pretrained": str(tmp_path / "teacher"), "tokenizer": "byte"}):
+            teacher = load_teacher(spec)
+            assert teacher.config.model_type == "qwen3" and not teacher.training
+            assert not any(p.requires_grad for p in teacher.parameters())
+            assert torch.equal(teacher(**inputs).logits, ref)
+    with pytest.raises(ValueError, match=r"teacher_top_k=2 widens an MoE teacher's routing, but the teacher is a "
+                                         r"dense 'qwen3' model: set method.options.teacher_top_k=null"):
+        widen_teacher(teacher, 2)
+
+    module = KDModule(_dense(1), teacher=str(tmp_path / "teacher"), options={"chunk_size": 7}, optim={"lr": 1e-3})
+    assert torch.equal(module.teacher(**inputs).logits, ref)
+    grab = _FirstGrads()
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[grab])
+    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=2, shuffle=False))
+    assert trainer.global_step == 1
+    student = _dense(1)
+    kd_loss(student(**inputs).logits, ref, kind="forward_kl", mask=batch["attention_mask"],
+            normalizer=float(batch["attention_mask"].sum())).backward()
+    hand = {n: p.grad for n, p in student.named_parameters() if p.grad is not None}
+    assert set(grab.grads) == set(hand) and len(hand) == len(list(student.parameters()))
+    for name, g in hand.items():
+        # 16 tokens, chunks of 7 vs one pass: fp32 reordering ~ 16 * 1.2e-7 of the largest entry, x 5 margin
+        scale = g.abs().max().item() + 1e-12
+        assert torch.allclose(grab.grads[name], g, rtol=0, atol=1e-5 * scale), name
+    assert torch.equal(module.teacher(**inputs).logits, ref)  # the teacher stays frozen
