@@ -5,7 +5,8 @@ skipped with ``condense.calibration_file``), ``condense/`` (task=condense, conde
 ``lm/`` ([CD-code] recipe: one language-modelling epoch on ``cd_sft.lm_stage.dataset`` with method=condense_sft),
 then the task SFT (task=finetune, method=condense_sft) in the run directory itself (``metrics.csv``,
 ``checkpoints/``, ``export/``), then lm-eval on the reloaded export (``condense.eval``). ``cd_sft.condensed``
-starts from an existing task=condense export instead of the first two stages. ``summary.json`` holds the
+starts from an existing task=condense export instead of the first two stages; ``task.resume=<run>`` reuses the
+finished stages of that run and resumes its SFT from ``checkpoints/last.ckpt``. ``summary.json`` holds the
 results table that ``python -m experiments.collect condense <run>`` compares with the paper.
 """
 
@@ -26,7 +27,7 @@ from .finetune import finetune
 COLUMNS = {"arc_challenge": ("ARC-C", "acc_norm"), "boolq": ("BoolQ", "acc"), "hellaswag": ("HellaSwag", "acc_norm"),
            "mmlu": ("MMLU", "acc"), "openbookqa": ("OBQA", "acc_norm"), "piqa": ("PIQA", "acc_norm"),
            "rte": ("RTE", "acc"), "winogrande": ("WinoGrande", "acc")}
-STAGE_KEYS = ("train/loss", "global_step", "wall_time_s", "export")
+STAGE_KEYS = ("train/loss", "global_step", "resumed_from_step", "wall_time_s", "export")
 
 
 def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
@@ -65,9 +66,19 @@ def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
             "compress.calibration.batch_size": s.batch_size}))["calibration"]
     tasks = list(c.eval.tasks) if cfg.cd_sft.eval_condensed else []
     summary = condense_task(_stage(cfg, out / "condense", **{
-        "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks}))
-    return summary["export"], {k: summary.get(k) for k in ("layers", "experts", "memory_ratio", "params_after",
-                                                             "params_before", "export", "eval")}
+        "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks,
+        "task.resume": None}))
+    return summary["export"], _condensed_summary(summary)
+
+
+def _condensed_summary(summary: dict) -> dict:
+    return {k: summary.get(k) for k in ("layers", "experts", "memory_ratio", "params_after", "params_before",
+                                        "export", "eval")}
+
+
+def _finished(stage: Path) -> bool:
+    """A stage directory whose run completed: its summary.json and a condensed export exist."""
+    return (stage / "summary.json").is_file() and (stage / "export" / "condense_manifest.json").is_file()
 
 
 def results_table(metrics: dict, tasks: list[str], model: str, method: str):
@@ -112,17 +123,26 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
     start = time.time()
     label = "cd_moe_s" if int(cfg.condense.routed_experts) == 0 else "cd_moe_sr"
     summary: dict = {"model": cfg.model.name, "method": label, "recipe": to_plain(cfg.cd_sft)}
+    resuming = bool(cfg.task.get("resume"))  # task.resume=<this run>: finished stages are reused, the SFT resumes
     if cfg.cd_sft.condensed:
         export = str(cfg.cd_sft.condensed)
+    elif resuming and _finished(out / "condense"):
+        export = str(out / "condense" / "export")
+        summary["condense"] = _condensed_summary(json.loads((out / "condense" / "summary.json").read_text()))
     else:
         export, summary["condense"] = _condense(cfg, out)
     lm = cfg.cd_sft.get("lm_stage")
-    if lm:
-        lm_run = finetune(_stage(cfg, out / "lm", dataset=to_plain(lm.dataset),
-                                 **{"method.options.condensed": export}))
+    if lm and resuming and _finished(out / "lm"):
+        export = str(out / "lm" / "export")
+    elif lm:
+        lm_run = finetune(_stage(cfg, out / "lm", dataset=to_plain(lm.dataset), **{
+            "method.options.condensed": export, "task.resume": None, "task.ckpt_path": None}))
         summary["lm_stage"] = {k: lm_run.get(k) for k in STAGE_KEYS}
         export = lm_run["export"]
-    sft = finetune(_stage(cfg, out, **{"method.options.condensed": export}))
+    updates = {"method.options.condensed": export}
+    if not (out / "checkpoints" / "last.ckpt").exists():  # a resumed run that stopped before its SFT began
+        updates["task.resume"] = None
+    sft = finetune(_stage(cfg, out, **updates))
     summary["sft"] = {k: sft.get(k) for k in STAGE_KEYS}
     if sft.get("export") and list(cfg.condense.eval.tasks):
         summary.update(_evaluate(cfg, Path(sft["export"]), label))

@@ -44,13 +44,16 @@ def chain(tmp_path_factory):
     from moe_lab.tasks import run_task
 
     tmp = tmp_path_factory.mktemp("cd_moe_sft")
-    text = word_text(tmp / "c4.txt", 30)
+    word_text(tmp / "c4.txt", 30)
     (tmp / "mmlu.json").write_text(json.dumps(ROWS * 4))
-    cfg = _compose(tmp / "run", "dataset=mmlu_train", f"dataset.path={tmp / 'mmlu.json'}", "dataset.max_length=512",
-                   "dataset.batch_size=2", f"condense.search.dataset.path={text}", "condense.routed_experts=2",
-                   "condense.num_layers=1", *[f"condense.search.{d}" for d in SEARCH], "task.trainer.max_steps=3",
-                   "task.optim.lr=1e-2", *EVAL)
+    cfg = _compose(tmp / "run", *_chain_overrides(tmp), "task.trainer.max_steps=3")
     return cfg, run_task(cfg), tmp
+
+
+def _chain_overrides(tmp) -> list[str]:
+    return ["dataset=mmlu_train", f"dataset.path={tmp / 'mmlu.json'}", "dataset.max_length=512", "dataset.batch_size=2",
+            f"condense.search.dataset.path={tmp / 'c4.txt'}", "condense.routed_experts=2", "condense.num_layers=1",
+            *[f"condense.search.{d}" for d in SEARCH], "task.optim.lr=1e-2", *EVAL]
 
 
 @pytest.mark.slow
@@ -170,3 +173,21 @@ def test_exports_keep_the_search_provenance(chain):
     assert final["condensed_from"] == summary["condense"]["export"]
     assert final["knobs"] == source["knobs"] and final["calibration"] == source["calibration"]
     assert final["layers"] == source["layers"] and final["knobs"]["routed_experts"] == 2
+
+
+@pytest.mark.slow
+def test_resume_reuses_finished_stages_and_resumes_the_sft(chain):
+    """task.resume=<run> (a copy of the finished chain run): calibrate/condense are not redone, the SFT resumes from
+    its last.ckpt (step 3 of 3: nothing left to train), and the export is evaluated again."""
+    import shutil
+
+    from moe_lab.tasks import run_task
+
+    cfg, first, tmp = chain
+    run = tmp / "resumed"
+    shutil.copytree(cfg.paths.output_dir, run)
+    stamp = {p: p.stat().st_mtime_ns for p in [run / "condense" / "summary.json", run / "calibrate" / "summary.json"]}
+    summary = run_task(_compose(run, *_chain_overrides(tmp), "task.trainer.max_steps=3", f"task.resume={run}"))
+    assert (summary["sft"]["resumed_from_step"], summary["sft"]["global_step"]) == (3, 3)
+    assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
+    assert summary["condense"]["layers"] == first["condense"]["layers"] and summary["table"] == first["table"]
