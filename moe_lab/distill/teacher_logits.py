@@ -207,8 +207,9 @@ class RecordedTeacher:
             return "train"
         if not self.has("val") and trainer.limit_val_batches:
             trainer.limit_val_batches = 0
-            log.info("%s=%s has no validation batches (recorded with limit_val_batches=0 or without validation "
-                     "data): KD validation skipped", self.option, self.path)
+            if sum(trainer.num_val_batches or [0]):  # there was validation data to skip
+                log.info("%s=%s has no validation batches (recorded with limit_val_batches=0 or without "
+                         "validation data): KD validation skipped", self.option, self.path)
         if trainer.validating or trainer.sanity_checking:
             return "val" if self.has("val") else None
         return "train"
