@@ -72,10 +72,16 @@ def load_for_eval(cfg: DictConfig):
                                  "(AutoModelForCausalLM.from_pretrained must load it)")
             run = _run_config(path.parent)
             has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-            model, tokenizer = load_model({
-                "pretrained": str(path), "dtype": model_cfg.get("dtype"),
-                "tokenizer": str(path) if has_tokenizer else model_cfg.get("tokenizer"),
-            })
+            try:  # the run's method decides whether a dense export (method=kd, task=moe_to_dense) loads
+                model, tokenizer = load_model({
+                    "pretrained": str(path), "dtype": model_cfg.get("dtype"),
+                    "tokenizer": str(path) if has_tokenizer else model_cfg.get("tokenizer"),
+                }, method=run.method.name if run is not None else None)
+            except ValueError as err:
+                if run is not None or "dense causal LM" not in str(err):
+                    raise
+                raise ValueError(f"{err}. task.checkpoint={ckpt}: the method comes from the config.yaml of the run "
+                                 f"that wrote the export, and {path.parent / 'config.yaml'} does not exist") from None
             labels = (run.model.name, run.method.name) if run is not None else (path.name, "export")
             install_exported_routing(model, path)  # condenser biases, compressed-experts vectors
         else:
