@@ -362,9 +362,19 @@ class KDModule(MoELightningModule):
         ``_should_accumulate()`` is False exactly at ``accumulate_grad_batches`` boundaries), before any
         on_before_optimizer_step hook: log the window's normalised loss, stop on a non-finite one before the
         optimizer step, check the loader's window count against the tokens seen, or (fallback) normalise the
-        accumulated gradients by the global real-token count."""
+        accumulated gradients by the global real-token count. Under DeepSpeed, refuse a window out of step with
+        the engine's."""
         trainer = self.trainer
-        if trainer.fit_loop._should_accumulate():  # Lightning's own test (automatic optimisation)
+        window_end = not trainer.fit_loop._should_accumulate()  # Lightning's own test (automatic optimisation)
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if hasattr(engine, "is_gradient_accumulation_boundary") and engine.is_gradient_accumulation_boundary() \
+                != window_end:
+            raise RuntimeError(
+                f"method=kd: DeepSpeed's accumulation window is out of step with Lightning's at optimizer step "
+                f"{trainer.global_step + 1} (the engine counts micro-batches from its start, so a run resumed from "
+                "a checkpoint written inside a window, e.g. on a signal, is shifted): resume from a checkpoint "
+                "written at an optimizer step (checkpoints/last.ckpt or step-<n>.ckpt)")
+        if not window_end:
             return
         stats = torch.tensor([self._window_sum, float(self._window_tokens)], dtype=torch.float64,
                              device=self.device)
@@ -388,8 +398,7 @@ class KDModule(MoELightningModule):
             raise RuntimeError(
                 f"method=kd: the train loader announced {self._global_window} real tokens for the accumulation "
                 f"window ending at optimizer step {trainer.global_step + 1}, the micro-batches held {seen}: its "
-                "windows are not the optimizer's (a run resumed mid-window under DeepSpeed, or a loader shared "
-                "with another consumer)")
+                "windows are not the trainer's accumulation windows (was the loader iterated elsewhere too?)")
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=1)
         self.log("train/tokens", tokens, on_step=True, batch_size=1)
 

@@ -143,6 +143,33 @@ def test_deepspeed_refuses_an_epoch_of_partial_windows():
     assert loader._window == (2, 4)
 
 
+def test_window_checks_at_the_window_end():
+    """The loader's count must match the tokens the window's micro-batches held; under DeepSpeed the engine's
+    accumulation boundary must be Lightning's window end (fakes: no engine runs on CPU)."""
+    from types import SimpleNamespace
+
+    module = _module()
+    module.log = lambda *args, **kwargs: None
+    boundary = [True]
+    strategy = SimpleNamespace(deepspeed_engine=SimpleNamespace(is_gradient_accumulation_boundary=lambda: boundary[0]),
+                               reduce=lambda tensor, reduce_op: tensor)
+    module._trainer = SimpleNamespace(strategy=strategy, fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
+                                      global_step=4)
+
+    def window_end(announced, seen=12):
+        module.normalised_by, module._global_window = "loss", announced
+        module._window_sum, module._window_tokens = 3.0, seen
+        module.on_after_backward()
+
+    window_end(12)
+    assert module.last_finite_loss == 0.25
+    with pytest.raises(RuntimeError, match="announced 13 real tokens .* optimizer step 5, the micro-batches held 12"):
+        window_end(13)
+    boundary[0] = False
+    with pytest.raises(RuntimeError, match="DeepSpeed's accumulation window is out of step"):
+        window_end(12)
+
+
 # ---- Lightning runs ---------------------------------------------------------------------------------------------
 class _SGDKD(KDModule):
     """KDModule with plain SGD, so a step is ``w - lr * grad`` (the oracle applies it by hand)."""
