@@ -66,6 +66,8 @@ def test_chain_trains_only_retained_experts_and_evaluates_the_export(chain):
     [layer] = summary["condense"]["layers"]
     assert summary["method"] == "cd_moe_sr" and summary["sft"]["global_step"] == 3
     assert len(summary["condense"]["experts"][str(layer)]) == 2
+    calibrated = json.loads((Path(run) / "calibrate" / "summary.json").read_text())["data"]["source"]
+    assert calibrated == json.loads((Path(run) / "condense" / "summary.json").read_text())["search_data"]
     # only the condensed layer's retained experts (packed routed slices + shared expert) moved
     before, after = _state(summary["condense"]["export"]), _state(summary["sft"]["export"])
     assert before.keys() == after.keys()
