@@ -84,11 +84,16 @@ def _device_count(devices, accelerator: str) -> int:
     return int(text)
 
 
+def trainer_settings(cfg: DictConfig) -> dict:
+    """The distillation run's trainer settings: ``hardware.trainer`` updated by ``task.trainer`` (as finetune)."""
+    return {**(to_plain(cfg.hardware.trainer) if "hardware" in cfg else {}), **to_plain(cfg.task.trainer)}
+
+
 def data_parallel_size(cfg: DictConfig) -> int:
     """W of the distillation run: ``task.world_size``, else devices x num_nodes of its trainer settings."""
     if cfg.task.get("world_size") is not None:
         return int(cfg.task.world_size)
-    trainer = {**(to_plain(cfg.hardware.trainer) if "hardware" in cfg else {}), **to_plain(cfg.task.trainer)}
+    trainer = trainer_settings(cfg)
     devices = trainer.get("devices", "auto")
     return _device_count(devices, str(trainer.get("accelerator", "auto"))) * int(trainer.get("num_nodes") or 1)
 
@@ -131,7 +136,7 @@ def teacher_logits_task(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("pretrained") or "byte")
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     datamodule.setup("fit")
-    trainer_cfg = to_plain(cfg.task.trainer)
+    trainer_cfg = trainer_settings(cfg)
     world = data_parallel_size(cfg)
     teacher.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     top_k = cfg.task.get("top_k")

@@ -81,3 +81,24 @@ def test_record_follows_the_kd_run(tmp_path):
         ref = float(kd_loss(seen["student"], live, mask=mask))
         # the same fp32 divergences; mean vs sum / n may differ in the last bit
         assert abs(seen["div"] - ref) <= 4 * torch.finfo(torch.float32).eps * abs(ref)
+
+
+def test_world_size_and_epoch_limits():
+    from moe_lab.tasks.teacher_logits import data_parallel_size, limited, train_batches
+
+    def world(*overrides):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            return data_parallel_size(compose("config", overrides=["task=teacher_logits", *overrides]))
+
+    assert world() == 1 and world("hardware=ddp_cpu") == 2
+    assert world("hardware=ddp_cpu", "+task.trainer.num_nodes=3") == 6
+    assert world("hardware=ddp_cpu", "+task.trainer.devices=[0,1,2]") == 3
+    assert world("hardware=ddp_cpu", "task.world_size=8") == 8
+    assert (limited(5, None), limited(5, 2), limited(5, 9), limited(5, 0.5), limited(None, 3)) == (5, 2, 5, 2, 3)
+    # 2 batches an epoch (limit_train_batches), reshuffled per epoch like Lightning: independent order by hand
+    data = torch.arange(8)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    got = [b.tolist() for b in train_batches(loader, 5, per_epoch=2)]
+    perms = [torch.randperm(8, generator=torch.Generator().manual_seed(e)).tolist() for e in range(3)]
+    assert got == [perms[0][:2], perms[0][2:4], perms[1][:2], perms[1][2:4], perms[2][:2]]
