@@ -254,7 +254,7 @@ class RecordedTeacher:
         dataset = self.recorded_with.get("dataset") or {}
         diffs = [f"dataset.{k}: recorded {v!r}, this run {getattr(datamodule, k)!r}" for k, v in dataset.items()
                  if datamodule is not None and not k.startswith("_") and hasattr(datamodule, k)
-                 and to_plain(getattr(datamodule, k)) != v]
+                 and _differs(to_plain(getattr(datamodule, k)), v)]
         settings = ", ".join(f"{k}={v}" for k, v in self.recorded_with.items() if k != "dataset")
         return (f"{self.option}={self.path}: {split} batch {b + 1} of rank {self.rank} is not the recorded one: "
                 f"{what}. " + (f"Differs: {'; '.join(diffs)}. " if diffs else "")
@@ -269,3 +269,10 @@ class RecordedTeacher:
     def load_state_dict(self, state: dict) -> None:
         self.cursor["train"] = int(state["train_batches"])
 
+
+
+def _differs(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor attribute: no verdict
+        return False
