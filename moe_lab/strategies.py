@@ -16,6 +16,7 @@ import sys
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,34 @@ def check_devices(trainer_kwargs: dict) -> None:
 
 
 def build_strategy(trainer_kwargs: dict):
-    """Pop ``strategy`` from the merged trainer settings, check the devices and build it (hydra instantiate)."""
+    """Pop ``strategy`` from the merged trainer settings, check the devices and build it (hydra instantiate).
+
+    A DeepSpeed strategy also takes ``precision`` (popped) as its :class:`AccumulateOnceDeepSpeedPrecision`."""
     check_devices(trainer_kwargs)
     strategy = trainer_kwargs.pop("strategy", "auto")
     if isinstance(strategy, dict):
         strategy = instantiate(strategy)
     _allow_torch_optimizer_offload(strategy)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy) and strategy._precision_plugin is None:
+        strategy.precision_plugin = AccumulateOnceDeepSpeedPrecision(trainer_kwargs.pop("precision", "32-true"))
     return strategy
+
+
+class AccumulateOnceDeepSpeedPrecision(DeepSpeedPrecision):
+    """Lightning's DeepSpeed precision plugin, minus a second division of the loss by the accumulation steps.
+
+    Lightning's automatic optimisation already divides ``training_step``'s loss by ``accumulate_grad_batches``
+    (``ClosureResult.from_training_step_output``) and writes the same number into DeepSpeed's
+    ``gradient_accumulation_steps``; ``DeepSpeedPrecision.backward`` then calls ``engine.backward(loss)``, whose
+    default ``scale_wrt_gas=True`` divides again, so every Lightning + DeepSpeed run with A > 1 micro-batches
+    would train on gradients A times too small (the bug transformers fixed in PR 35808). Here the engine is
+    told not to scale, so gradients are the mean over the window, as under DDP."""
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs):
+        kwargs.setdefault("scale_wrt_gas", False)
+        super().backward(tensor, model, optimizer, *args, **kwargs)
 
 
 def _allow_torch_optimizer_offload(strategy) -> None:

@@ -4,6 +4,7 @@ under a strategy that accumulates gradients itself (DeepSpeed). Real ZeRO / FSDP
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.strategies import (
+    AccumulateOnceDeepSpeedPrecision,
     KeepFp32Buffers,
     build_strategy,
     check_devices,
@@ -61,6 +63,36 @@ def test_deepspeed_configs(hardware, stage, offload):
     _format_precision_config(strategy.config, cfg.hardware.trainer.precision, 0, 1000, 1, 16, 2)  # what fit does
     assert strategy.config["bf16"]["enabled"] is True and "fp16" not in strategy.config
     assert strategy.handles_gradient_accumulation  # Lightning calls optimizer_step on every micro-batch
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_deepspeed_divides_the_loss_by_the_accumulation_once(accumulate):
+    """Lightning's automatic optimisation divides training_step's loss by accumulate_grad_batches; DeepSpeed's
+    engine.backward would divide it again (scale_wrt_gas=True by default). Oracle: DeepSpeedEngine.backward's
+    own arithmetic run on a stand-in engine: the loss that reaches autograd is the closure loss, divided by A
+    exactly once."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    _, strategy = _strategy("deepspeed_zero2")
+    plugin = strategy.precision_plugin
+    assert isinstance(plugin, AccumulateOnceDeepSpeedPrecision) and plugin.precision == "bf16-mixed"
+    seen = {}
+
+    class Engine:  # DeepSpeedEngine.backward's loss scaling, then hand the result to autograd
+        def gradient_accumulation_steps(self):
+            return accumulate
+
+        def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+            seen["loss"] = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+
+    model = L.LightningModule()
+    model._trainer = SimpleNamespace(model=Engine())  # the plugin reaches the engine as trainer.model
+    closure = ClosureResult.from_training_step_output(torch.tensor(12.0), accumulate).loss  # Lightning's 1/A
+    plugin.backward(closure, model, None)
+    assert float(seen["loss"]) == 12.0 / accumulate
+    backward = inspect.getclosurevars(DeepSpeedEngine.backward).nonlocals["func"]  # tripwire on the real engine
+    assert "loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas" in inspect.getsource(backward)
 
 
 def test_fsdp_config_keeps_fp32_masters_and_reduces_in_fp32():

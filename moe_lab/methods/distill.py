@@ -114,14 +114,17 @@ def loss_scale(strategy, accumulate: int, world_size: int) -> float:
     """``c`` such that micro-batch losses ``c * sum / N`` give the gradient of (sum over the global window) / N
     once the divisors on the way are applied: Lightning divides training_step's loss by accumulate_grad_batches
     (loops/optimization/automatic.py ``_training_step`` -> ``ClosureResult.from_training_step_output``, every
-    strategy); DeepSpeed's ``engine.backward`` divides it again by its ``gradient_accumulation_steps``
-    (runtime/engine.py ``backward``, ``scale_wrt_gas=True``, left on by Lightning's ``DeepSpeedPrecision.backward``;
-    Lightning sets that config value to accumulate_grad_batches); DDP, FSDP and DeepSpeed average the gradients
-    over the ``world_size`` data-parallel ranks."""
+    strategy); DDP, FSDP and DeepSpeed average the gradients over the ``world_size`` data-parallel ranks. Under
+    DeepSpeed with Lightning's own precision plugin, ``engine.backward`` divides by ``gradient_accumulation_steps``
+    once more (runtime/engine.py ``backward``, ``scale_wrt_gas=True``); moe-lab's DeepSpeed strategies carry
+    ``moe_lab.strategies.AccumulateOnceDeepSpeedPrecision``, which turns that second division off."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
+    from ..strategies import AccumulateOnceDeepSpeedPrecision
+
     c = int(accumulate) * int(world_size)
-    if isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, DeepSpeedStrategy) and not isinstance(strategy._precision_plugin,
+                                                                  AccumulateOnceDeepSpeedPrecision):
         c *= int((strategy.config or {}).get("gradient_accumulation_steps") or accumulate)
     return float(c)
 
