@@ -17,7 +17,8 @@ from moe_lab.moe.block import MoEBlock
 from tests.conftest import SHARED_DATA, build_tiny, random_batch
 
 LIMIT = 5
-MC_TASKS = {"boolq": "boolq", "social_iqa": "siqa", "winogrande": "winogrande"}
+MC_TASKS = {"llm_adapters_boolq": "boolq", "llm_adapters_social_iqa": "siqa",
+            "llm_adapters_winogrande": "winogrande"}
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +35,18 @@ def model():
 
 def test_local_tasks_cover_the_llm_adapters_files():
     assert local_tasks() == sorted([
-        "boolq", "piqa", "social_iqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa",
-        "gsm8k", "svamp", "multiarith", "addsub", "aqua", "singleeq", "mawps",
+        "llm_adapters_" + name for name in (
+            "boolq", "piqa", "social_iqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa",
+            "gsm8k", "svamp", "multiarith", "addsub", "aqua", "singleeq", "mawps")
     ])
 
 
 def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
     moe_lab.apply(model).export(tmp_path / "export", tok)
-    result = evaluate_with_lm_eval(tmp_path / "export", None, [*MC_TASKS, "gsm8k"], limit=LIMIT, batch_size=4,
-                                   data_dir=SHARED_DATA, log_samples=True, gen_kwargs={"max_gen_toks": 16})
+    result = evaluate_with_lm_eval(tmp_path / "export", None, [*MC_TASKS, "llm_adapters_gsm8k"], limit=LIMIT,
+                                   batch_size=4, data_dir=SHARED_DATA, log_samples=True, gen_kwargs={"max_gen_toks": 16})
     metrics = lm_eval_metrics(result)
-    assert set(metrics) == {*MC_TASKS, "gsm8k"}
+    assert set(metrics) == {*MC_TASKS, "llm_adapters_gsm8k"}
     for task, eval_set in MC_TASKS.items():
         docs = load_choice_docs(eval_set, SHARED_DATA)["test"].select(range(LIMIT))
         ours = score_choices(model, tok, docs["context"], docs["choices"])
@@ -56,11 +58,12 @@ def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
             assert [r[0][0] for r in sample["resps"]] == pytest.approx(o["loglik"], rel=1e-4, abs=1e-4)
     # Generation: lm-eval's (HF generate, its stop handling) equals moe-lab's greedy batched generation.
     docs = load_generation_docs("gsm8k", SHARED_DATA)["test"].select(range(LIMIT))
-    until = result["configs"]["gsm8k"]["generation_kwargs"]["until"]
+    until = result["configs"]["llm_adapters_gsm8k"]["generation_kwargs"]["until"]
     ours = generate(model, tok, docs["prompt"], max_new_tokens=16, stop=until)
-    theirs = [s["resps"][0][0] for s in sorted(result["samples"]["gsm8k"], key=lambda s: s["doc_id"])]
+    theirs = [s["resps"][0][0]
+              for s in sorted(result["samples"]["llm_adapters_gsm8k"], key=lambda s: s["doc_id"])]
     assert theirs == [o[0] for o in ours]
-    assert metrics["gsm8k"]["acc"] == 0.0  # a random model does not solve GSM8K
+    assert metrics["llm_adapters_gsm8k"]["acc"] == 0.0  # a random model does not solve GSM8K
 
 
 def _byte_batch(seed, **kwargs):
@@ -120,7 +123,8 @@ def test_in_memory_patched_model_runs_the_commonsense_tag(tok):
     result = evaluate_with_lm_eval(model, tok, ["llm_adapters_commonsense"], limit=2, batch_size=8,
                                    data_dir=SHARED_DATA)
     metrics = lm_eval_metrics(result)
-    assert {"boolq", "piqa", "social_iqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"} <= set(metrics)
+    assert {"llm_adapters_" + name for name in ("boolq", "piqa", "social_iqa", "winogrande", "arc_easy",
+                                                "arc_challenge", "openbookqa")} <= set(metrics)
     assert all(0.0 <= metrics[t]["acc"] <= 1.0 for t in local_tasks() if t in metrics)
     assert model.training  # mode restored
 
@@ -129,11 +133,11 @@ def test_bad_calls_are_named(model, tok, tmp_path):
     with pytest.raises(ValueError, match="unknown lm-eval task.*hub_tasks=True"):
         evaluate_with_lm_eval(model, tok, ["hellaswag"], data_dir=SHARED_DATA)
     with pytest.raises(ValueError, match="needs its tokenizer"):
-        evaluate_with_lm_eval(model, None, ["boolq"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(model, None, ["llm_adapters_boolq"], data_dir=SHARED_DATA)
     with pytest.raises(FileNotFoundError, match="data_dir"):
-        evaluate_with_lm_eval(model, tok, ["boolq"], data_dir=tmp_path / "missing")
+        evaluate_with_lm_eval(model, tok, ["llm_adapters_boolq"], data_dir=tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="checkpoint directory"):
-        evaluate_with_lm_eval(tmp_path / "nowhere", None, ["boolq"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(tmp_path / "nowhere", None, ["llm_adapters_boolq"], data_dir=SHARED_DATA)
 
 
 def test_a_row_without_answer_is_named(tmp_path):
