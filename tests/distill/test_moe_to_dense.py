@@ -1,17 +1,21 @@
-"""task=moe_to_dense end to end on a tiny model (few steps), and the paper's two initialisation baselines."""
+"""task=moe_to_dense end to end on a tiny model (few steps), and the paper's two initialisation baselines (their
+weights, and their own pre-distillation perplexity)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+import transformers
 from hydra import compose, initialize_config_dir
 
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import export_compressed, to_dense
 from moe_lab.models import load_model
-from moe_lab.tasks.moe_to_dense import ffn_names, reinitialise
+from moe_lab.tasks.compress import eval_ids
+from moe_lab.tasks.moe_to_dense import baseline_student, ffn_names, kl_curves, plot_kl, reinitialise
 from tests.conftest import ROOT, build_tiny, random_batch, word_text
 
 
@@ -48,6 +52,13 @@ def test_pipeline_runs_all_stages(tmp_path):
     columns = (run / "distill" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "grad_norm/total" in columns  # the default callbacks run on the dense student (MoE ones do nothing)
     assert not [c for c in columns if c.startswith(("load/", "drift/"))]
+    assert summary["pre_distill"]["student"] == "converted"
+    # the distill stage's config.yaml lets task=evaluate load the dense export (the run's method: kd)
+    from moe_lab.tasks.evaluate import load_for_eval
+    from tests.eval.test_evaluate_task import eval_cfg
+
+    model, _, labels = load_for_eval(eval_cfg(tmp_path / "eval", f"task.checkpoint={run / 'distill' / 'export'}"))
+    assert labels == ("tiny_qwen3_moe_dense", "kd") and model.config.model_type == "qwen3"
 
 
 @pytest.mark.parametrize("source", ["memory", "export"])
@@ -75,3 +86,66 @@ def test_baselines_reinitialise_ffn_or_everything(source, tmp_path):
                 assert changed, key
             if is_ffn:  # normal(0, initializer_range)
                 assert abs(value.std().item() - std) < 0.25 * std, key
+
+
+def _hand_ppl(model, ids, window: int) -> float:
+    """Disjoint windows of ``window`` tokens, each token after a window's first scored: HF's own loss per window
+    (mean CE of its ``n - 1`` shifted predictions), weighted by ``n - 1``."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for begin in range(0, len(ids), window):
+            chunk = torch.tensor([ids[begin:begin + window]])
+            if chunk.shape[1] > 1:
+                nll += model(chunk, labels=chunk).loss.item() * (chunk.shape[1] - 1)
+                count += chunk.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def test_baseline_pre_distill_ppl_is_the_reinitialised_students(tmp_path):
+    """The baselines' pre_distill.ppl is the re-initialised student's (the distillation's starting point), not
+    the converted student's. Oracle: a hand-windowed perplexity of the baseline's export loaded by vanilla HF."""
+    cfg = _cfg(tmp_path, "method=kd", "compress.init=random_ffn")
+    teacher, tokenizer = load_model(cfg.model)
+    cal = calibrate(teacher.eval(), [random_batch(batch=2, seq=16, pad_rows=())])
+    converted = export_compressed(to_dense(teacher, cal, K=4), tmp_path / "convert" / "export", tokenizer)
+    ids = eval_ids(cfg.compress.eval, tokenizer)
+    assert len(ids) > 200  # several 32-token windows
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(converted).eval()
+    converted_ppl = _hand_ppl(vanilla, ids, 32)
+    for init in ("random_ffn", "random"):
+        cfg.compress.init = init
+        path, point = baseline_student(cfg, converted, tmp_path / "convert" / f"export_{init}")
+        assert path == tmp_path / "convert" / f"export_{init}" and point["status"] == "ok"
+        assert json.loads((path / "compress_manifest.json").read_text())["init"] == init
+        baseline = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        # per window: fp32 sums of <= 31 log-probs ~ log(384) on each side, then exp: ~ 2 * 31 * 1.2e-7 * 6
+        # relative on the mean nll; 1e-5 leaves a 2x margin
+        assert point["ppl"] == pytest.approx(_hand_ppl(baseline, ids, 32), rel=1e-5)
+        # not the converted student's (both near-uniform, ppl ~ vocab 384, yet 100x the tolerance apart)
+        assert abs(point["ppl"] / converted_ppl - 1) > 1e-3
+
+
+def test_kl_plot_draws_raw_steps_and_a_rolling_mean(tmp_path):
+    """Oracle: the mean of the last <= 10 logged values, by an explicit loop; val/kd/kl rows as written."""
+    import matplotlib.image
+
+    gen = torch.Generator().manual_seed(0)
+    kl = (0.3 - 0.0005 * torch.arange(25) + 0.05 * torch.rand(25, generator=gen)).tolist()
+    lines = ["epoch,kd/kl,step,val/kd/kl", ",,0,"]  # Lightning's rows: a metric is blank where not logged
+    lines += [f"0,{v!r},{i},," for i, v in enumerate(kl)]
+    lines += ["0,,11,0.25", "0,,23,0.2"]
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    curves = kl_curves(csv)
+    assert list(curves) == ["kd/kl", "kd/kl, rolling mean of 10 steps", "val/kd/kl"]
+    assert curves["kd/kl"] == (list(range(25)), kl)
+    steps, mean = curves["kd/kl, rolling mean of 10 steps"]
+    assert steps == list(range(25))
+    assert mean == pytest.approx([sum(kl[max(0, i - 9):i + 1]) / len(kl[max(0, i - 9):i + 1]) for i in range(25)],
+                                 rel=1e-12)
+    assert curves["val/kd/kl"] == ([11, 23], [0.25, 0.2])
+    image = matplotlib.image.imread(plot_kl(csv, tmp_path / "plots" / "kd_kl.png"))
+    assert image.shape[:2] == (400, 700) and image[..., :3].min() < 0.5  # 7 x 4 in at 100 dpi, something drawn
+    (tmp_path / "empty.csv").write_text("epoch,step,train/loss\n0,0,1.0\n")
+    with pytest.raises(ValueError, match="no kd/kl or val/kd/kl values"):
+        plot_kl(tmp_path / "empty.csv", tmp_path / "x.png")
