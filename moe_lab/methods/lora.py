@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
 from . import peft_export
+from .precision import export_in_load_dtype
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
@@ -128,6 +129,7 @@ def add_lora(
     patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
     patch.export_state_dict = functools.partial(merged_state_dict, patch)
     patch.export_hooks.append(functools.partial(peft_export.export_hook, patch))  # <export>/adapter/ (PEFT)
+    export_in_load_dtype(patch)  # merged in fp32 above, then every tensor cast once to the load dtype
 
 
 def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:
@@ -139,8 +141,20 @@ def _linear_targets(patch: MoEPatch, targets: list[str]) -> list[nn.Linear]:
     return [m for m in patch.model.modules() if isinstance(m, nn.Linear) and id(m.weight) in wanted]
 
 
+def _packed_merge(module: nn.Module, name: str) -> torch.Tensor:
+    """``W + scale * B @ A`` of a parametrized packed expert tensor, computed in fp32."""
+    parametrization = module.parametrizations[name]
+    if len(parametrization) != 1 or not isinstance(parametrization[0], PackedLoRA):
+        return getattr(module, name).detach().float()
+    lora = parametrization[0]
+    a, b = lora.lora_A.detach().float(), lora.lora_B.detach().float()
+    return parametrization.original.detach().float() + lora.scale * torch.bmm(b, a)
+
+
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
-    """The HF model's state dict with every adapter merged into its base weight (vanilla key names)."""
+    """The HF model's state dict with every adapter merged into its base weight (vanilla key names). Merged
+    tensors are fp32 (``W + scale * B @ A`` from fp32 copies); the export casts them once to the load dtype
+    (:func:`~moe_lab.methods.precision.export_in_load_dtype`)."""
     merged = {}
     for key, value in patch.model.state_dict().items():
         if ".lora." in key or "lora_A" in key or "lora_B" in key:
@@ -150,10 +164,11 @@ def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
             name = rest.split(".", 1)[0]
             if not rest.endswith(".original"):
                 continue
-            module = patch.model.get_submodule(owner)
-            key, value = f"{owner}.{name}", getattr(module, name)
+            key, value = f"{owner}.{name}", _packed_merge(patch.model.get_submodule(owner), name)
         merged[key] = value.detach().clone()
     for module in getattr(patch, "lora_modules", []):
         name = next(n for n, m in patch.model.named_modules() if m is module)
-        merged[f"{name}.weight"] = (module.weight + module.lora.delta()).detach().clone()
+        lora = module.lora
+        delta = lora.scale * (lora.lora_B.detach().float() @ lora.lora_A.detach().float())
+        merged[f"{name}.weight"] = module.weight.detach().float() + delta
     return merged

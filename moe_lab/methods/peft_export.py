@@ -13,6 +13,7 @@
   are moe-lab's rearranged to PEFT's layout (also for GPT-OSS's ``is_transposed`` [E, in, out] experts).
 * A router the method trains full rank (``sft``, ``densemixer`` + LoRA) is saved whole as a PEFT
   ``modules_to_save`` module; a frozen one is the base model's and is not saved.
+* Every tensor is in the model's load dtype, as in the merged export (fp32 master weights cast once).
 
 What PEFT cannot express is not in the adapter (parameters a method adds, e.g. Compressed Experts'
 vectors, or Expert Condenser's router biases): those runs load from the merged export itself.
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .precision import in_load_dtype
 
 ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)
@@ -156,7 +159,8 @@ def save_peft_adapter(patch, export_dir: str | Path) -> Path:
     if lost:
         config = peft_config(patch, as_parameters=frozenset(lost))
         keys, saved, lost = _peft_keys(config, patch.model.config)
-    state = {keys.get(k, k): v.contiguous().clone() for k, v in peft_state_dict(patch, config_parameters(config)).items()}
+    state = in_load_dtype(patch.model, peft_state_dict(patch, config_parameters(config)))  # as the merged export
+    state = {keys.get(k, k): v.contiguous().clone() for k, v in state.items()}
     if set(state) != saved:
         raise RuntimeError(f"PEFT adapter keys do not match PEFT's own: missing {sorted(saved - set(state))[:4]}, "
                            f"unexpected {sorted(set(state) - saved)[:4]}")

@@ -14,11 +14,16 @@ the strategy wraps the model:
 
 Half "-true" precisions (``bf16-true``, ``16-true``) cast every parameter and buffer (router biases
 included) to half precision, so they are refused unless ``master_weights=off``.
+
+Exports (:func:`export_in_load_dtype`) write every tensor in the load dtype, whatever master weights did.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -82,6 +87,7 @@ def apply_master_weights(model: nn.Module, precision: str, mode: str = "fp32",
     if not todo:
         return []
     source = _dtype_name(todo[0].dtype)
+    model._moe_lab_load_dtype = getattr(model, "_moe_lab_load_dtype", None) or todo[0].dtype  # for exports
     with torch.no_grad():
         for p in todo:
             p.data = p.data.float()
@@ -90,3 +96,58 @@ def apply_master_weights(model: nn.Module, precision: str, mode: str = "fp32",
              "(method.master_weights=%s, model.dtype=%s, trainer.precision=%s); %d frozen tensors stay %s",
              len(todo), sum(p.numel() for p in todo), source, mode, source, precision, left, source)
     return todo
+
+
+def load_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``model`` was loaded in: recorded by :func:`apply_master_weights` before it upcasts, else
+    ``config.dtype`` (what ``from_pretrained(dtype=...)`` set), else ``model.dtype``."""
+    dtype = getattr(model, "_moe_lab_load_dtype", None) or getattr(model.config, "dtype", None) or model.dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def in_load_dtype(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every floating tensor cast once to :func:`load_dtype`, except those HF itself keeps in
+    fp32 for that dtype (``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing correction bias).
+    Tensors sharing storage (tied weights) still share it."""
+    dtype = load_dtype(model)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation
+
+        keep = build_glob_alternation(list(plan))[0]
+    out, cast = {}, {}
+    for key, value in state.items():
+        if not value.is_floating_point() or value.dtype == dtype or (plan and keep.search(key)):
+            out[key] = value
+            continue
+        ident = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if ident not in cast:
+            cast[ident] = value.detach().to(dtype)
+        out[key] = cast[ident]
+    return out
+
+
+def _state_in_load_dtype(patch, inner=None) -> dict[str, torch.Tensor]:
+    return in_load_dtype(patch.model, inner() if inner is not None else patch.model.state_dict())
+
+
+def _config_in_load_dtype(model: nn.Module, directory) -> None:
+    """``config.json``'s ``dtype`` := the load dtype (``save_pretrained`` writes the first parameter's dtype,
+    fp32 for a trained embedding under master weights), in the file and in ``model.config``."""
+    name = _dtype_name(load_dtype(model))
+    model.config.dtype = name
+    path = Path(directory) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        config["dtype"] = name
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export_in_load_dtype(patch) -> None:
+    """Make ``patch.export`` write every tensor in the model's load dtype (:func:`in_load_dtype`; fp32 master
+    weights and LoRA merges, computed in fp32, are cast once) and say so in ``config.json``. Idempotent."""
+    if getattr(patch, "_exports_in_load_dtype", False):
+        return
+    patch.export_state_dict = functools.partial(_state_in_load_dtype, patch, patch.export_state_dict)
+    patch.export_hooks.insert(0, functools.partial(_config_in_load_dtype, patch.model))
+    patch._exports_in_load_dtype = True

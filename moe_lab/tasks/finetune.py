@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import slurm
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
+from ..methods.precision import export_in_load_dtype
 from ..models import load_model
 from ..strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
 from .checkpoint_io import (
@@ -145,6 +146,7 @@ def finetune(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         summary["plots"] = _collect_metrics(trainer, out, log_scale=bool(cfg.task.get("loss_log_scale", False)))
         if cfg.task.export and not interrupted:
+            export_in_load_dtype(module.patch)  # fp32 master weights are written in the load dtype
             module.patch.export(out / "export", tokenizer=tokenizer)
             summary["export"] = str(out / "export")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
