@@ -108,14 +108,16 @@ def check_matches(ckpt: dict, path: Path, module: torch.nn.Module, config_label:
 
 class CheckpointOnSignal(Callback):
     """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a scheduler's warning) stop training after the current optimizer
-    step and write ``ckpt_path`` before the process exits; a second Ctrl-C aborts at once.
+    step, with ``ckpt_path`` written; a second Ctrl-C aborts at once. ``signum`` is the signal received (None:
+    none).
 
-    Lightning turns SIGTERM into a ``SIGTERMException`` at the end of a training step (synchronised across DDP
-    ranks); SIGINT and SIGUSR1 are routed to its handler. In one process the signal is passed on only after the
-    checkpoint is written in the next ``on_train_batch_end``, where ``ModelCheckpoint`` writes its own (a
-    checkpoint written later, e.g. when Lightning stops inside a validation loop, would shift the steps a resumed
-    run logs at by one). Under DDP the signal is passed on at once and every rank writes in ``on_exception``.
-    ``signum`` is the signal received (None: none).
+    The checkpoint is written in ``on_train_batch_end`` of the first micro-batch that ends an optimizer step after
+    the signal, where ``ModelCheckpoint`` writes its own: a resumed run then equals an uninterrupted one (weights,
+    and the steps it logs at). The rest of that iteration still runs, so a validation due at that step completes
+    and is logged; the fit stops (``SIGTERMException``) when the next batch starts. Stopping anywhere else loses
+    something: inside a validation, its row is never logged (the resumed run skips it); in the middle of gradient
+    accumulation, the accumulated gradients. Under DDP the ranks decide together at every optimizer step (one
+    all-reduce of the signal number), so a signal delivered to any rank stops them all at the same step.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -124,14 +126,10 @@ class CheckpointOnSignal(Callback):
         self.ckpt_path = Path(ckpt_path)
         self.signum: int | None = None
         self.saved: Path | None = None
-        self._lightning_handler = None
-        self._defer = True
 
     def on_train_start(self, trainer, pl_module) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self._defer = trainer.world_size == 1
-        self._lightning_handler = signal.getsignal(signal.SIGTERM)  # installed by the Trainer for this fit
         for name in self.SIGNALS:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self._handle)
@@ -142,26 +140,29 @@ class CheckpointOnSignal(Callback):
                 raise KeyboardInterrupt  # second Ctrl-C: stop now, without a checkpoint
             return
         self.signum = signum
-        if self.ckpt_path is not None:
-            print(f"\n{signal.Signals(signum).name} received: finishing this step, then writing "
-                  f"{self.ckpt_path} (press Ctrl-C again to abort without it)", file=sys.stderr, flush=True)
-        if not self._defer:
-            self._stop(frame)
+        print(f"\n{signal.Signals(signum).name} received: finishing this optimizer step, then writing "
+              f"{self.ckpt_path} (press Ctrl-C again to abort without it)", file=sys.stderr, flush=True)
 
-    def _stop(self, frame=None) -> None:
-        if callable(self._lightning_handler):
-            self._lightning_handler(signal.SIGTERM, frame)
+    def _agreed_signal(self, trainer) -> int | None:
+        """The signal any rank received (the largest number), on every rank; one collective per call."""
+        if trainer.world_size == 1:
+            return self.signum
+        mine = torch.tensor(float(self.signum or 0), device=trainer.strategy.root_device)
+        agreed = int(trainer.strategy.reduce(mine, reduce_op="max"))
+        return agreed or None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.signum is not None and self.saved is None and self._defer:
+        if self.saved is not None or trainer.fit_loop._should_accumulate():
+            return  # only where an optimizer step just ended (as moe_lab.strategies.optimizer_stepped)
+        signum = self._agreed_signal(trainer)
+        if signum is not None:
+            self.signum = self.signum or signum
             _save_marked(trainer, self.ckpt_path)
             self.saved = self.ckpt_path
-            self._stop()
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        if isinstance(exception, SIGTERMException) and self.signum is not None and self.saved is None:
-            _save_marked(trainer, self.ckpt_path)
-            self.saved = self.ckpt_path
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.saved is not None:
+            raise SIGTERMException  # what Lightning raises on SIGTERM; task=finetune exits 128 + signum
 
 
 # ---- COMPLETED markers, keep-last-N, cross-strategy resume, ZeRO -> HF conversion ----------------------------
