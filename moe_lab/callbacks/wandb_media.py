@@ -92,7 +92,7 @@ class WandbMediaCallback(Callback):
         if not self.log_export or self._hooked or patch is None or not trainer.is_global_zero:
             return
         loggers = wandb_loggers(trainer)
-        if loggers and getattr(patch, "export_hooks", None) is None:  # e.g. method=kd's patch of a dense student
+        if loggers and getattr(patch, "export_hooks", None) is None:
             log.info("%s has no export hooks: WandbMediaCallback cannot upload the export", type(patch).__name__)
         elif loggers:
             patch.export_hooks.append(functools.partial(self._log_artifact, loggers))  # picklable

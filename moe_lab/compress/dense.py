@@ -311,11 +311,12 @@ def manifest(calibration: Calibration, knobs: dict, plans: dict[int, LayerPlan])
             "layers": {str(i): p.to_json() for i, p in plans.items()}}
 
 
-def export_compressed(student: nn.Module, path, tokenizer=None) -> Path:
-    """save_pretrained + tokenizer + the compression manifest (``compress_manifest.json``) of a converted or
-    pruned model; the directory loads with vanilla AutoModelForCausalLM."""
+def export_compressed(student: nn.Module, path, tokenizer=None, state_dict: dict | None = None) -> Path:
+    """save_pretrained (of ``state_dict`` when given) + tokenizer + the compression manifest
+    (``compress_manifest.json``) of a converted or pruned model; the directory loads with vanilla
+    AutoModelForCausalLM."""
     path = Path(path)
-    student.save_pretrained(path)
+    student.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     info = getattr(student, "moe_lab_manifest", None)

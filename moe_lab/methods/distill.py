@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import tempfile
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -49,14 +52,31 @@ class _DensePatch:
         self.layers: list = []
         self.context = TokenContext()
         self.expert_slice_masks: dict = {}
+        self.export_state_dict = None  # as MoEPatch: what export writes (set for the load dtype, LoRA merges)
+        self.export_hooks: list = []  # as MoEPatch: called with the finished export folder (e.g. W&B upload)
 
     def after_optimizer_step(self) -> None:
         pass
 
-    def export(self, path, tokenizer=None):
+    def export(self, path, tokenizer=None) -> Path:
+        """``export_compressed`` (vanilla-loadable, with the compression manifest) of ``export_state_dict``,
+        then the export hooks, written to a temporary folder that replaces ``path`` only when complete."""
         from ..compress.dense import export_compressed
+        from ..moe.patch import _atomic_replace_dir
 
-        return export_compressed(self.model, path, tokenizer)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            state_dict = self.export_state_dict() if self.export_state_dict else None
+            export_compressed(self.model, tmp, tokenizer, state_dict=state_dict)
+            for hook in self.export_hooks:
+                hook(tmp)
+            _atomic_replace_dir(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
 
 
 def _has_moe(model) -> bool:
@@ -136,8 +156,8 @@ class KDModule(MoELightningModule):
     (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight (fkl_hidden),
     kd_ratio (weight of the KD term; 1 - kd_ratio on the student's CE on labels), chunk_size (tokens per
     lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw),
-    teacher_logits (a file from ``moe_lab.distill.teacher_logits.record_teacher`` over the training data in
-    dataloader order: no live teacher; consumed token by token, so no shuffling).
+    teacher_logits (a ``task=teacher_logits`` file: the teacher recorded over this run's batches, per rank and
+    split, read through ``RecordedTeacher``, which refuses batches other than the recorded ones; no live teacher).
     """
 
     def __init__(self, model, teacher=None, options: dict | None = None, optim: dict | None = None,

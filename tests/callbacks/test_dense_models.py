@@ -138,15 +138,18 @@ def test_kd_fit_with_dense_student_and_every_callback(exports, tmp_path, caplog)
     assert (tmp_path / "moe" / "routing_log.jsonl").is_file()
 
 
-def test_wandb_media_with_a_patch_without_export_hooks(caplog):
+def test_wandb_media_uploads_a_dense_export_and_skips_a_patch_without_export_hooks(caplog):
     from lightning.pytorch.loggers import WandbLogger
 
     from moe_lab.callbacks.wandb_media import WandbMediaCallback
     from moe_lab.methods.distill import _DensePatch
 
     trainer = types.SimpleNamespace(loggers=[WandbLogger(offline=True)], is_global_zero=True)
-    module = types.SimpleNamespace(patch=_DensePatch(torch.nn.Linear(1, 1)))
+    dense = types.SimpleNamespace(patch=_DensePatch(torch.nn.Linear(1, 1)))
     caplog.set_level(logging.INFO, logger="moe_lab.callbacks")
-    WandbMediaCallback(log_export=True).on_fit_start(trainer, module)
+    WandbMediaCallback(log_export=True).on_fit_start(trainer, dense)
+    assert len(dense.patch.export_hooks) == 1 and not caplog.records  # the dense export is uploaded too
+    bare = types.SimpleNamespace(patch=types.SimpleNamespace())
+    WandbMediaCallback(log_export=True).on_fit_start(trainer, bare)
     assert [r.getMessage() for r in caplog.records] == [
-        "_DensePatch has no export hooks: WandbMediaCallback cannot upload the export"]
+        "SimpleNamespace has no export hooks: WandbMediaCallback cannot upload the export"]
