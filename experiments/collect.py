@@ -9,7 +9,8 @@ paper_model, model, paper_row, row, train, eval, benchmark, metric, value, sourc
   ``method.name`` of the run that wrote the checkpoint),
 - ``train`` equals the training run's ``dataset=`` choice (from its ``.hydra/hydra.yaml``; empty for a model
   evaluated without a checkpoint),
-- ``eval`` (``key=value;...``, may be empty) holds on the evaluation run's ``eval.`` config,
+- ``eval`` (``key=value;...``, may be empty) holds on the evaluation run's ``eval.`` config, updated by the
+  ``eval_settings`` its ``summary.json`` may record (``task=condense``: ``layers``, ``routed_experts``, ...),
 - ``benchmark`` is the results-table column (``GSM8K``, ``Avg.``, ...).
 
 ``--as OURS=PAPER`` renames our labels before matching (a tiny stand-in: ``--as tiny_olmoe=olmoe_0125``).
@@ -104,7 +105,8 @@ def eval_runs(paths) -> list[Path]:
                                         "of them")
             if "table" not in summary:
                 raise ValueError(f"{run} is not a task=evaluate run (its summary.json has no results table): "
-                                 f"evaluate it first (python run.py task=evaluate task.checkpoint={run}/export ...)")
+                                 f"evaluate it first (python run.py task=evaluate task.checkpoint={run}/export ...; "
+                                 "a task=condense run: run it with condense.eval.tasks=[...])")
         runs.extend(found)
     return runs
 
@@ -140,7 +142,10 @@ def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
         summary = _summary(run)
         table = ResultsTable.from_json(summary["table"], summary.get("columns"))
         config = run / "config.yaml"
-        eval_cfg = OmegaConf.to_container(OmegaConf.load(config).eval) if config.is_file() else {}
+        eval_node = OmegaConf.select(OmegaConf.load(config), "eval") if config.is_file() else None
+        eval_cfg = OmegaConf.to_container(eval_node) if eval_node is not None else {}
+        # a run that records what it evaluated (task=condense: layers condensed, S/SR, selections) beside it
+        eval_cfg = {**eval_cfg, **summary.get("eval_settings", {})}
         train = train_choice(summary.get("checkpoint"), run)
         train = rename(train, train) if train else train
         for key, row in table.cells.items():
@@ -150,7 +155,7 @@ def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
                 values[AVERAGE] = average
             for column, value in values.items():
                 cells.append(Ours(rename(key[0], key[0]), rename(key[1], key[1]), train, column, value,
-                                  summary.get("limit"), run, eval_cfg or {},
+                                  summary.get("limit"), run, eval_cfg,
                                   partial=column == AVERAGE and n < table.n_averaged))
     return cells
 
