@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -26,21 +28,23 @@ from moe_lab.methods.base import MoELightningModule
 from moe_lab.tasks.checkpoint_io import CheckpointOnSignal
 from moe_lab.tasks.resume import History
 from tests.callbacks.conftest import random_batches
-from tests.conftest import build_tiny
+from tests.conftest import ROOT, build_tiny
 
 STEPS, VAL_EVERY = 8, 3  # validation after optimizer steps 3 and 6: logged at steps 2 and 5
 
 
 class _Signal(L.Callback):
     """Sends ``signum`` to this process once, in ``hook`` when ``trainer.global_step == step`` and the
-    micro-batch index within the accumulation window is ``phase``."""
+    micro-batch index within the accumulation window is ``phase`` (on rank ``rank`` only, if given)."""
 
-    def __init__(self, hook: str, step: int, phase: int = 0, signum=signal.SIGUSR1):
-        self.hook, self.step, self.phase, self.signum, self.sent = hook, step, phase, signum, False
+    def __init__(self, hook: str, step: int, phase: int = 0, signum: int = signal.SIGUSR1, rank: int | None = None):
+        self.hook, self.step, self.phase, self.signum, self.rank, self.sent = hook, step, phase, signum, rank, False
 
     def _maybe(self, trainer, hook):
         window = trainer.accumulate_grad_batches
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
         if hook == self.hook and not self.sent and trainer.global_step == self.step and ready % window == self.phase:
             self.sent = True
             os.kill(os.getpid(), self.signum)
@@ -115,3 +119,35 @@ def test_resumed_run_logs_every_step_once_and_ends_with_the_same_weights(tmp_pat
         assert _steps(second, column) == _steps(run, column), column  # no gap, no duplicate
     for key, value in weights.items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def _run_py(run: Path, *overrides) -> int:
+    """task=finetune on 2 gloo DDP processes, 6 steps, validation (3 batches) after steps 3 and 6."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    args = ["debug=fast", "hardware=ddp_cpu", "callbacks=none", "task.trainer.max_steps=6",
+            "task.trainer.limit_val_batches=3", "task.checkpoint_every_n_steps=6", "task.export=false",
+            f"hydra.run.dir={run}", *overrides]
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=run.parent, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode in (0, 128 + signal.SIGUSR1), proc.stderr[-4000:]
+    return proc.returncode
+
+
+@pytest.mark.slow
+def test_ddp_signal_on_one_rank_inside_validation(tmp_path):
+    """task=finetune under DDP, SIGUSR1 delivered to rank 1 only, inside the validation after step 3: both ranks
+    stop at the same step, and the resumed run's metrics.csv and final weights equal the uninterrupted run's."""
+    straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
+    assert _run_py(straight) == 0
+    signal_rank1 = ["+callbacks.sig._target_=tests.test_signal_resume_logging._Signal", "+callbacks.sig.hook=val",
+                    "+callbacks.sig.step=3", "+callbacks.sig.rank=1"]
+    assert _run_py(first, *signal_rank1) == 128 + signal.SIGUSR1
+    assert torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert _run_py(second, f"task.ckpt_path={first / 'checkpoints' / 'last.ckpt'}") == 0
+    for column in ("train/loss", "val/loss"):
+        assert _steps(second, column) == _steps(straight, column) == ([2, 5] if column == "val/loss" else
+                                                                      list(range(6))), column
+    want = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    got = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
