@@ -29,7 +29,7 @@ from .checkpoint_io import (
     checkpoint_callback,
     read_checkpoint,
 )
-from .resume import History, pin_wandb_run, resume_checkpoint
+from .resume import History, LastStepCheckpoint, check_progress, pin_wandb_run, resume_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def finetune(cfg: DictConfig) -> dict:
     if ckpt_path is not None:
         check_resumable(ckpt_path, field, config_strategy_kind(cfg.hardware.trainer))
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
+    if ckpt is not None:
+        check_progress(ckpt, cfg, field)  # a resume that would train nothing is refused or said
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
     model, tokenizer = load_model(cfg.model, method=cfg.method.get("name"))  # dense: DENSE_METHODS
@@ -128,7 +130,7 @@ def finetune(cfg: DictConfig) -> dict:
         callbacks.append(clock)
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
     requeue = slurm.SubmititRequeue()
-    trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg)])
+    trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg), LastStepCheckpoint()])
     prepare(trainer, module)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))

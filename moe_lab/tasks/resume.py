@@ -16,8 +16,9 @@ import shutil
 import uuid
 from pathlib import Path
 
+import lightning as L
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,57 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
     if cfg.task.get("ckpt_path"):
         return Path(str(cfg.task.ckpt_path)).expanduser(), "task.ckpt_path"
     return None, ""
+
+
+def _limit(value) -> int | None:
+    """A Lightning ``max_steps`` / ``max_epochs`` value as a limit (None: no limit)."""
+    return None if value is None or int(value) < 0 else int(value)
+
+
+def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
+    """Say what a resume will train before it trains nothing.
+
+    ``task.trainer.max_steps`` above the checkpoint's step while the run has already done its
+    ``task.trainer.max_epochs`` epochs (e.g. a finished one-epoch run extended with more steps) would train 0
+    steps: refused, naming the fix. A checkpoint at ``max_steps`` (or with its epochs done) and no larger limit
+    given resumes to nothing (the export and evaluation are redone) and is logged as such."""
+    trainer = {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
+               **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
+    step = int(ckpt.get("global_step", 0))
+    max_steps, max_epochs = _limit(trainer.get("max_steps")), _limit(trainer.get("max_epochs"))
+    loop = ckpt.get("loops", {}).get("fit_loop", {})
+    progress = loop.get("epoch_progress", {}).get("current", {})
+    epochs = progress.get("processed", ckpt.get("epoch"))
+    if epochs is not None and progress.get("started", 0) > epochs and \
+            loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        epochs += 1  # saved at the epoch's last batch, before the epoch loop counted it
+    steps_left = max_steps is None or step < max_steps
+    epochs_done = max_epochs is not None and epochs is not None and int(epochs) >= max_epochs
+    where = f"{field}: the checkpoint is at step {step}"
+    if max_steps is not None and step < max_steps and epochs_done:
+        raise ValueError(f"{where} after {epochs} epoch(s) = task.trainer.max_epochs={max_epochs}, so task.trainer."
+                         f"max_steps={max_steps} would train 0 more steps. To extend the run by steps, also pass "
+                         "task.trainer.max_epochs=-1 (max_steps then ends it); by epochs, a larger "
+                         "task.trainer.max_epochs")
+    if not steps_left or epochs_done:
+        log.warning("%s, which is already the end of the run (task.trainer.max_steps=%s, max_epochs=%s): nothing is "
+                    "trained. To extend it pass a larger task.trainer.max_steps (with max_epochs=-1) or max_epochs",
+                    where, trainer.get("max_steps"), trainer.get("max_epochs"))
+
+
+class LastStepCheckpoint(L.Callback):
+    """Writes ``last.ckpt`` at the batch that reaches ``max_steps``, inside the epoch, as a periodic checkpoint is.
+
+    Lightning's own end-of-training save comes after the epoch loop has closed, so a run stopped by ``max_steps``
+    mid-epoch is recorded as having finished that epoch: resumed with more steps it would start a new epoch (the
+    rest of this one never seen) or, at ``max_epochs``, train nothing."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        saver = trainer.checkpoint_callback
+        if saver is None or trainer.max_steps is None or trainer.max_steps < 0:
+            return
+        if trainer.global_step >= trainer.max_steps and saver._last_global_step_saved != trainer.global_step:
+            saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
 
 def _rows_before(path: Path, step: int) -> list[dict]:
