@@ -71,6 +71,8 @@ class _Student(torch.nn.Module):
         if head == "tied":  # embedding and lm head share one Parameter, as with tie_word_embeddings
             self.emb = torch.nn.Embedding(VOC, HID)
             self.head.weight = self.emb.weight
+        if head == "frozen":  # a plain head that is not trained (only the hidden states get gradients)
+            self.head.requires_grad_(False)
         if head == "lora":
             import peft
 
@@ -135,9 +137,10 @@ def _float64_oracle(student, x, h_t, head_t, tau, keep, weight):
 
 @pytest.mark.parametrize("head, tau, chunk, masked", [
     ("plain", 1.0, 5, False), ("plain", 2.0, 4, True), ("plain", 0.5, None, True), ("tied", 1.0, 4, True),
-    ("tied", 2.0, None, False), ("bias", 1.0, 5, True), ("lora", 1.0, 4, True), ("lora", 0.5, None, False)])
+    ("tied", 2.0, None, False), ("frozen", 2.0, 5, True), ("bias", 1.0, 5, True), ("lora", 1.0, 4, True),
+    ("lora", 0.5, None, False)])
 def test_heads_against_float64(head, tau, chunk, masked):
-    """Both gradient paths (analytic: written out for plain / tied Linear heads, one autograd call per chunk
+    """Both gradient paths (analytic: written out for plain / tied / frozen Linear heads, one autograd call per chunk
     for bias and peft LoRA heads; and autograd through the fp32 KL) against float64."""
     from moe_lab.distill.losses import _plain_head
 
@@ -147,7 +150,7 @@ def test_heads_against_float64(head, tau, chunk, masked):
     h_t = torch.randn(N, HID)
     keep = (torch.arange(N) % 4 != 1) if masked else torch.ones(N, dtype=torch.bool)
     x = student.inputs()
-    assert _plain_head(student.head, student.hidden(x)) == (head in ("plain", "tied"))
+    assert _plain_head(student.head, student.hidden(x)) == (head in ("plain", "tied", "frozen"))
     weight = 0.7 * 3.0  # kd_weight x the gradient arriving at the loss (g_total != 1)
     loss64, grads64, bounds, dz, mag = _float64_oracle(student, x, h_t, head_t, tau, keep, weight)
     params = [p for p in student.parameters() if p.requires_grad]
