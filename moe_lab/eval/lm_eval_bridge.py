@@ -70,8 +70,10 @@ def task_manager(tasks: list[str], *, hub_tasks: bool = False, data_dir: str | o
     manager = _manager(bool(hub_tasks), metadata)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
+        renamed = [PREFIX + t for t in unknown if PREFIX + t in local_tasks()]
         raise ValueError(f"unknown lm-eval task(s) {unknown}: neither lm-eval's registry nor moe-lab's local tasks "
-                         f"({', '.join(local_tasks())}) define them; `lm_eval ls tasks` lists lm-eval's names")
+                         f"({', '.join(local_tasks())}) define them; `lm_eval ls tasks` lists lm-eval's names"
+                         + (f"; the LLM-Adapters version is {', '.join(renamed)}" if renamed else ""))
     return manager
 
 

@@ -103,3 +103,5 @@ def test_old_and_unknown_names_are_named():
 def test_unknown_hub_name_is_named():
     with pytest.raises(ValueError, match=r"unknown lm-eval task.*'no_such_task'.*lm_eval ls tasks"):
         task_manager(["boolq", "no_such_task", "llm_adapters_boolq"], hub_tasks=True, data_dir=SHARED_DATA)
+    with pytest.raises(ValueError, match=r"unknown lm-eval task.*'svamp'.*LLM-Adapters version is llm_adapters_svamp"):
+        task_manager(["svamp", "llm_adapters_boolq"], hub_tasks=True, data_dir=SHARED_DATA)
