@@ -16,29 +16,19 @@ import json
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from ..plain import to_plain
 from .calibrate import calibrate_task
 from .condense import condense_task
 from .finetune import finetune
+from .stage import stage_config
 
 # lm-eval task -> (results column, metric): acc_norm where lm-eval has it, acc otherwise (spec A4-6)
 COLUMNS = {"arc_challenge": ("ARC-C", "acc_norm"), "boolq": ("BoolQ", "acc"), "hellaswag": ("HellaSwag", "acc_norm"),
            "mmlu": ("MMLU", "acc"), "openbookqa": ("OBQA", "acc_norm"), "piqa": ("PIQA", "acc_norm"),
            "rte": ("RTE", "acc"), "winogrande": ("WinoGrande", "acc")}
 STAGE_KEYS = ("train/loss", "global_step", "resumed_from_step", "wall_time_s", "export")
-
-
-def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
-    """A copy of ``cfg`` writing to ``out`` with dotted-key updates (interpolations kept, so the loggers'
-    ``${paths.output_dir}`` follows ``out``)."""
-    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    out.mkdir(parents=True, exist_ok=True)
-    with open_dict(sub):
-        for key, value in {"paths.output_dir": str(out), **updates}.items():
-            OmegaConf.update(sub, key, value, merge=False)
-    return sub
 
 
 def _check(cfg: DictConfig) -> None:
@@ -59,13 +49,13 @@ def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
     calibration = c.calibration_file
     if not calibration:
         s = c.search
-        calibration = calibrate_task(_stage(cfg, out / "calibrate", **{
+        calibration = calibrate_task(stage_config(cfg, out / "calibrate", **{
             "compress.calibration.dataset": to_plain(s.dataset), "compress.calibration.num_sequences": s.num_sequences,
             "compress.calibration.seq_len": s.seq_len, "compress.calibration.sample": s.sample,
             "compress.calibration.pool_blocks": s.pool_blocks, "compress.calibration.seed": s.seed,
             "compress.calibration.batch_size": s.batch_size}))["calibration"]
     tasks = list(c.eval.tasks) if cfg.cd_sft.eval_condensed else []
-    summary = condense_task(_stage(cfg, out / "condense", **{
+    summary = condense_task(stage_config(cfg, out / "condense", **{
         "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks,
         "task.resume": None}))
     return summary["export"], _condensed_summary(summary)
@@ -135,14 +125,14 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
     if lm and resuming and _finished(out / "lm"):
         export = str(out / "lm" / "export")
     elif lm:
-        lm_run = finetune(_stage(cfg, out / "lm", dataset=to_plain(lm.dataset), **{
+        lm_run = finetune(stage_config(cfg, out / "lm", dataset=to_plain(lm.dataset), **{
             "method.options.condensed": export, "task.resume": None, "task.ckpt_path": None}))
         summary["lm_stage"] = {k: lm_run.get(k) for k in STAGE_KEYS}
         export = lm_run["export"]
     updates = {"method.options.condensed": export}
     if not (out / "checkpoints" / "last.ckpt").exists():  # a resumed run that stopped before its SFT began
         updates["task.resume"] = None
-    sft = finetune(_stage(cfg, out, **updates))
+    sft = finetune(stage_config(cfg, out, **updates))
     summary["sft"] = {k: sft.get(k) for k in STAGE_KEYS}
     if sft.get("export") and list(cfg.condense.eval.tasks):
         summary.update(_evaluate(cfg, Path(sft["export"]), label))

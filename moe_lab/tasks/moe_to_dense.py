@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from ..compress.dense import export_compressed
 from ..compress.sweep import ppl_point
@@ -28,22 +28,12 @@ from ..plain import to_plain
 from .calibrate import calibrate_task
 from .compress import compress, eval_ids
 from .finetune import finetune
+from .stage import stage_config
 
 log = logging.getLogger(__name__)
 
 INITS = ("converted", "random_ffn", "random")
 ROLLING = 10  # steps in the KD plot's rolling mean
-
-
-def _stage(cfg: DictConfig, out: Path, **updates) -> DictConfig:
-    """A copy of ``cfg`` writing to ``out`` with dotted-key updates."""
-    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    out.mkdir(parents=True, exist_ok=True)
-    with open_dict(sub):
-        OmegaConf.update(sub, "paths.output_dir", str(out), merge=False)
-        for key, value in updates.items():
-            OmegaConf.update(sub, key, value, merge=False)
-    return sub
 
 
 def ffn_names(teacher, num_layers: int) -> list[str]:
@@ -108,9 +98,9 @@ def moe_to_dense(cfg: DictConfig) -> dict:
     summary: dict = {"model": cfg.model.name, "init": cfg.compress.init}
     calibration = cfg.compress.calibration_file
     if not calibration:
-        calibration = calibrate_task(_stage(cfg, out / "calibrate"))["calibration"]
+        calibration = calibrate_task(stage_config(cfg, out / "calibrate"))["calibration"]
     summary["calibration"] = str(calibration)
-    converted = compress(_stage(cfg, out / "convert", **{"compress.calibration_file": str(calibration),
+    converted = compress(stage_config(cfg, out / "convert", **{"compress.calibration_file": str(calibration),
                                                           "compress.export": True}))
     student_dir = Path(converted["export"])
     summary["pre_distill"] = {"student": "converted", "ppl": converted["ppl"], "status": converted["status"]}
@@ -121,7 +111,7 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                   "converted": summary["pre_distill"]}
     student_cfg = {**teacher_cfg, "name": f"{cfg.model.name}_dense", "pretrained": str(student_dir),
                    "config_class": None, "config": None}
-    distill_cfg = _stage(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
+    distill_cfg = stage_config(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
     # the stage's config.yaml, as run.py writes one per run: task=evaluate reads the method (kd: a dense export loads)
     (out / "distill" / "config.yaml").write_text(OmegaConf.to_yaml(distill_cfg, resolve=True))
     distilled = finetune(distill_cfg)

@@ -50,6 +50,7 @@ def test_pipeline_runs_all_stages(tmp_path):
     assert summary["distill"]["kd/kl"] > 0 and (run / "plots" / "kd_kl.png").is_file()
     assert json.loads((run / "summary.json").read_text())["init"] == "converted"
     columns = (run / "distill" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert not (run / "metrics.csv").exists() and not (run / "hparams.yaml").exists()  # loggers follow the stage
     assert "grad_norm/total" in columns  # the default callbacks run on the dense student (MoE ones do nothing)
     assert not [c for c in columns if c.startswith(("load/", "drift/"))]
     assert summary["pre_distill"]["student"] == "converted"
