@@ -9,6 +9,8 @@ from hydra.utils import instantiate
 from moe_lab.data import sources
 from moe_lab.data.datamodule import SFTDataModule
 from moe_lab.data.mmlu import MMLUDataModule
+from moe_lab.data.sharegpt import ShareGPTDataModule
+from moe_lab.data.templated import PromptCompletionDataModule
 from moe_lab.data.text import TextBlockDataModule
 from moe_lab.data.tokenizer import build_byte_tokenizer
 
@@ -29,13 +31,16 @@ REMOTE = {
     "esft_summary": (SFTDataModule, "chat", ESFT + "summary.jsonl", None),
     "esft_translation": (SFTDataModule, "chat", ESFT + "translation.jsonl", None),
     "s1k": (SFTDataModule, "reasoning", "simplescaling/s1K", None),
+    "gsm8k_train": (PromptCompletionDataModule, "llm_adapters", "openai/gsm8k", "main"),
+    "codealpaca": (PromptCompletionDataModule, "llm_adapters", "sahil2801/CodeAlpaca-20k", None),
+    "nemotron_code": (ShareGPTDataModule, "chat", "autoprogrammer/nemotron_code_lf_filtered", None),
     "mmlu_train": (MMLUDataModule, "llm_adapters", "cais/mmlu", "auxiliary_train"),
     "fineweb_edu": (TextBlockDataModule, None, "HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "c4": (TextBlockDataModule, None, "allenai/c4", "en"),
     "wikitext2": (TextBlockDataModule, None, "Salesforce/wikitext", "wikitext-2-raw-v1"),
     "wikitext103": (TextBlockDataModule, None, "Salesforce/wikitext", "wikitext-103-raw-v1"),
 }
-GENERIC = {"llm_adapters", "chat", "text"}  # path: ??? (set by the user)
+GENERIC = {"llm_adapters", "chat", "text", "sharegpt"}  # path: ??? (set by the user)
 LOCAL = {"synthetic_math", "math_data"}
 
 
