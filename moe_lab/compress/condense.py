@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.view import MoELayerView, find_moe_layers
 from .calibration import Calibration
 
@@ -257,7 +258,7 @@ def write_manifest(model: nn.Module, path, extra: dict | None = None) -> Path:
     record = getattr(model, "moe_lab_condense", None)
     if not record:
         raise ValueError("a condensed export needs a model returned by condense() or load_condensed()")
-    manifest = {"method": "cd_moe", "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    manifest = {"method": "cd_moe", "dtype": str(load_dtype(model)).removeprefix("torch."),
                 "layers": record, **(extra or {})}
     target = Path(path) / CONDENSE_FILE
     target.write_text(json.dumps(manifest, indent=1))
@@ -266,7 +267,9 @@ def write_manifest(model: nn.Module, path, extra: dict | None = None) -> Path:
 
 def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None = None) -> Path:
     """Write a condensed model: config (the original architecture), ONLY the retained experts' weights and
-    ``condense_manifest.json`` (layers, expert ids, gates). Reload with :func:`load_condensed`."""
+    ``condense_manifest.json`` (layers, expert ids, gates). Every tensor is written in the model's load dtype
+    (``precision.in_load_dtype``: fp32 master weights of a condense_sft run are cast back once; buffers HF keeps
+    in fp32 stay fp32), the dtype ``config.json`` and the manifest state. Reload with :func:`load_condensed`."""
     from safetensors.torch import save_file
 
     record = getattr(model, "moe_lab_condense", None)
@@ -275,7 +278,8 @@ def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(path)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    config_in_load_dtype(model, path)
+    state = {k: v.detach().cpu().contiguous() for k, v in in_load_dtype(model, model.state_dict()).items()}
     seen: dict[int, str] = {}
     for key in list(state):  # tied weights: store once (safetensors refuses shared storage)
         ptr = state[key].untyped_storage().data_ptr()
@@ -289,8 +293,9 @@ def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None 
     return path
 
 
-def load_condensed(path, device=None) -> nn.Module:
-    """Rebuild a model written by :func:`export_condensed` (strict: every tensor comes from the file)."""
+def load_condensed(path, device=None, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild a model written by :func:`export_condensed` (strict: every tensor comes from the file) in
+    ``dtype`` (default: the manifest's), buffers HF keeps in fp32 in fp32."""
     import transformers
     from safetensors.torch import load_file
 
@@ -301,7 +306,7 @@ def load_condensed(path, device=None) -> nn.Module:
         raise FileNotFoundError(f"{path} has no {CONDENSE_FILE}: pass a directory written by export_condensed")
     manifest = json.loads((path / CONDENSE_FILE).read_text())
     config = transformers.AutoConfig.from_pretrained(path)
-    model = build_uninitialised(config, getattr(torch, manifest["dtype"]))
+    model = build_uninitialised(config, dtype or getattr(torch, manifest["dtype"]))
     views = moe_views(model)
     for layer, info in manifest["layers"].items():
         view = views[int(layer)]
@@ -353,7 +358,7 @@ def to_vanilla(model: nn.Module) -> nn.Module:
     for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
         values.pop(key, None)
     values.update({"mlp_only_layers": sorted({*dense_before, *layers}), "intermediate_size": width})
-    vanilla = build_uninitialised(type(config)(**values), next(model.parameters()).dtype)
+    vanilla = build_uninitialised(type(config)(**values), load_dtype(model))
     vanilla.to(next(model.parameters()).device).eval()
     source = model.state_dict()
     prefixes = {record[str(i)]["name"] + "." for i in layers}

@@ -19,6 +19,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.experts import expert_intermediate_size
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
 from .calibration import Calibration
@@ -195,11 +196,16 @@ def canonical(config, fields: dict) -> dict:
 
 def build_uninitialised(config, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` without random initialisation (every tensor is overwritten by the
-    caller; non-persistent buffers such as rotary frequencies are still computed)."""
+    caller; non-persistent buffers such as rotary frequencies are still computed), in ``dtype`` (its load
+    dtype, ``config.dtype``) but for the buffers HF keeps in fp32 (``keep_fp32_buffers``), as from_pretrained."""
     from transformers.initialization import no_init_weights
 
+    from ..models import keep_fp32_buffers
+
     with torch.random.fork_rng(devices=[]), no_init_weights():
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    keep_fp32_buffers(model)
+    return model
 
 
 def _sibling(path: str, layer: int) -> str:
@@ -224,8 +230,7 @@ class DenseBuilder:
         self.target = _target(view)
         self.width = dense_width(self.views)
         config = target_config(teacher.config, self.width)
-        dtype = next(teacher.parameters()).dtype
-        student = build_uninitialised(config, dtype)
+        student = build_uninitialised(config, load_dtype(teacher))  # a bf16-loaded teacher: a bf16 student
         self.student = student.to(next(teacher.parameters()).device).eval()
         self._copy_backbone()
 
@@ -314,9 +319,12 @@ def manifest(calibration: Calibration, knobs: dict, plans: dict[int, LayerPlan])
 def export_compressed(student: nn.Module, path, tokenizer=None, state_dict: dict | None = None) -> Path:
     """save_pretrained (of ``state_dict`` when given) + tokenizer + the compression manifest
     (``compress_manifest.json``) of a converted or pruned model; the directory loads with vanilla
-    AutoModelForCausalLM."""
+    AutoModelForCausalLM. Every tensor is written in the model's load dtype (``precision.in_load_dtype``: the
+    dtype the compressed model was built in, the source model's), and ``config.json`` says so."""
     path = Path(path)
-    student.save_pretrained(path, state_dict=state_dict)
+    state = in_load_dtype(student, student.state_dict() if state_dict is None else state_dict)
+    student.save_pretrained(path, state_dict=state)
+    config_in_load_dtype(student, path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     info = getattr(student, "moe_lab_manifest", None)

@@ -17,6 +17,7 @@ import torch
 
 from ..compress.condense import CONDENSE_FILE, CondensedLayer, export_condensed, load_condensed
 from .base import MoELightningModule
+from .precision import load_dtype
 
 
 def condensed_trainable(model: torch.nn.Module) -> list[str]:
@@ -42,8 +43,8 @@ class CondenseSFTModule(MoELightningModule):
         if not path:
             raise ValueError("method=condense_sft needs method.options.condensed=<task=condense run>/export")
         base = model.config.model_type
-        dtype = next(model.parameters()).dtype
-        condensed = model = load_condensed(path).to(dtype)  # the base weights are replaced (and released)
+        # the base weights are replaced (and released); model.dtype stays the load dtype (exports are written in it)
+        condensed = model = load_condensed(path, dtype=load_dtype(model))
         if condensed.config.model_type != base:
             raise ValueError(f"method.options.condensed={path} is a {condensed.config.model_type} model but "
                              f"model= is {base}: pass the base model the export was condensed from")
@@ -57,7 +58,8 @@ class CondenseSFTModule(MoELightningModule):
 def _rewrite_export(model: torch.nn.Module, directory, source) -> None:
     """Replace save_pretrained's weights (HF converts packed experts to its hub layout on save, which the
     condensed layers do not have) by :func:`export_condensed`'s single file + manifest; the manifest keeps the
-    source export's provenance (search knobs, calibration) and names the source as ``condensed_from``."""
+    source export's provenance (search knobs, calibration) and names the source as ``condensed_from``. Written
+    from the live model in its load dtype (fp32 master weights cast back once, as the save_pretrained export)."""
     for file in [*Path(directory).glob("*.safetensors"), *Path(directory).glob("*.safetensors.index.json")]:
         file.unlink()
     before = json.loads((Path(source) / CONDENSE_FILE).read_text())

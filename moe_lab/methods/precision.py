@@ -131,7 +131,7 @@ def _state_in_load_dtype(patch, inner=None) -> dict[str, torch.Tensor]:
     return in_load_dtype(patch.model, inner() if inner is not None else patch.model.state_dict())
 
 
-def _config_in_load_dtype(model: nn.Module, directory) -> None:
+def config_in_load_dtype(model: nn.Module, directory) -> None:
     """``config.json``'s ``dtype`` := the load dtype (``save_pretrained`` writes the first parameter's dtype,
     fp32 for a trained embedding under master weights), in the file and in ``model.config``."""
     name = _dtype_name(load_dtype(model))
@@ -149,5 +149,5 @@ def export_in_load_dtype(patch) -> None:
     if getattr(patch, "_exports_in_load_dtype", False):
         return
     patch.export_state_dict = functools.partial(_state_in_load_dtype, patch, patch.export_state_dict)
-    patch.export_hooks.insert(0, functools.partial(_config_in_load_dtype, patch.model))
+    patch.export_hooks.insert(0, functools.partial(config_in_load_dtype, patch.model))
     patch._exports_in_load_dtype = True

@@ -295,11 +295,13 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
 
     The fp32 weights are gathered from the partitions by DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``;
     the run's ``config.yaml`` rebuilds the model and method (the Lightning module's keys, ``_forward_module.``
-    prefixes of old Lightning versions stripped), and the method's own export writes ``out`` (LoRA merged, method
-    metadata beside it)."""
+    prefixes of old Lightning versions stripped; loaded for the run's method, so a dense student of method=kd
+    loads), and the method's own export writes ``out`` in the model's load dtype (LoRA merged, method metadata
+    beside it), as finetune's export."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from hydra.utils import instantiate
 
+    from ..methods.precision import export_in_load_dtype
     from ..models import load_model
 
     ckpt_dir = Path(ckpt_dir)
@@ -309,7 +311,7 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     cfg = _run_config(ckpt_dir, Path(run_dir) if run_dir else None)
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
     state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, method=cfg.method.name)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
     try:
@@ -317,6 +319,7 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     except RuntimeError as err:
         raise ValueError(f"{ckpt_dir}: the checkpoint does not fit {cfg.model.name} / {cfg.method.name} of its "
                          f"run's config.yaml: {str(err).splitlines()[0]}") from None
+    export_in_load_dtype(module.patch)  # the fp32 ZeRO weights were cast into the load dtype by load_state_dict
     return module.patch.export(Path(out), tokenizer=tokenizer)
 
 
