@@ -39,7 +39,7 @@ CONDENSER_OLMOE = _hp(OLMOE_0125, "math7k", 2e-5, 256, 2, 4096, 0.03, "linear", 
 CONDENSER_QWEN = _hp(QWEN15, "math7k", 1e-5, 64, 2, 4096, 0.1, "cosine", "math7")  # DenseMixer Pub Qwen1.5
 S1 = {"lr": 1e-5, "batch": 16, "epochs": 5, "seq": 16384, "warmup": 0.05, "schedule": "cosine",
       "eval_group": "hard_reasoning"}
-CE = {"lr": 2e-5, "batch": 128, "epochs": 2, "seq": 4096, "warmup": 0.03, "schedule": "cosine", "eval_group": "math7"}
+CE = {"lr": 2e-5, "batch": 128, "epochs": 2, "seq": 4096, "warmup": 0.03, "schedule": "cosine", "eval_group": "lm_eval"}
 EXPECTED = {
     "condenser/math_olmoe": CONDENSER_OLMOE,
     "olmoe_math_sft": {**CONDENSER_OLMOE, "method": "sft"},
@@ -54,6 +54,14 @@ EXPECTED = {
     "densemixer/esft_olmoe": _hp(OLMOE_0125, "esft_intent", 2e-5, 256, 4, 4096, 0.03, "linear", "esft"),
     "densemixer/esft_qwen1_5": _hp(QWEN15, "esft_intent", 1e-5, 64, 3, 4096, 0.1, "cosine", "esft"),
     "densemixer/s1_qwen3_base": _hp("Qwen/Qwen3-30B-A3B-Base", "s1k", **S1),
+    "densemixer/gsm_olmoe": _hp(OLMOE_0125, "gsm8k_train", 2e-5, 256, 4, 4096, 0.03, "linear", "lm_eval"),
+    "densemixer/gsm_qwen1_5": _hp(QWEN15, "gsm8k_train", 1e-5, 64, 3, 4096, 0.1, "cosine", "lm_eval"),
+    "densemixer/codealpaca_olmoe": _hp(OLMOE_0125, "codealpaca", 2e-5, 256, 4, 4096, 0.03, "linear", "lm_eval"),
+    "densemixer/codealpaca_qwen1_5": _hp(QWEN15, "codealpaca", 1e-5, 64, 3, 4096, 0.1, "cosine", "lm_eval"),
+    "densemixer/nemotron_code_qwen3_base": _hp("Qwen/Qwen3-30B-A3B-Base", "nemotron_code", **{**S1, "eval_group": "lm_eval"}),
+    # the public code's own Nemotron config (LLaMA-Factory nemocode_sl16k_bs64_lr3e-5.yaml)
+    "densemixer/nemotron_code_qwen3_base_pub": _hp("Qwen/Qwen3-30B-A3B-Base", "nemotron_code",
+                                                   **{**S1, "eval_group": "lm_eval", "lr": 3e-5, "batch": 64, "epochs": 1}),
     "compressed_experts/olmoe": _hp(OLMOE_0924, "mathinstruct", **CE),
     "compressed_experts/olmoe_topk_half": _hp(OLMOE_0924, "mathinstruct", **CE, top_k=4, method="sft"),
     "compressed_experts/phimoe": _hp("microsoft/Phi-3.5-MoE-instruct", "mathinstruct", **{**CE, "lr": 1e-5}),
@@ -186,7 +194,7 @@ def test_preset_sets_only_keys_the_configs_define(preset):
     base = _compose(*(f"{group}={choices[group]}" for group in groups if choices.get(group) is not None))
     known = set(_leaves(OmegaConf.to_container(base)))
     extra = [k for k in _leaves(OmegaConf.to_container(cfg)) if k not in known and not k.startswith(
-        ("model.config.", "hydra."))]
+        ("model.config.", "hydra.", "eval.lm_eval.tasks."))]  # lm_eval.tasks: a free {column: task} mapping
     assert not extra, f"{preset} sets keys no config group defines: {extra}"
 
 

@@ -320,8 +320,10 @@ def _evaluate_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settings
 def evaluate(cfg: DictConfig) -> dict:
     """Evaluate on ``cfg.eval``; write predictions, results.csv/.md and summary.json; return flat metrics."""
     ev = cfg.get("eval")
-    if ev is None or not ev.get("datasets"):
-        raise ValueError(f"task=evaluate needs an evaluation group: eval={' | eval='.join(GROUPS)}")
+    lm_columns = _lm_columns(cfg)
+    if ev is None or not (ev.get("datasets") or lm_columns):
+        raise ValueError(f"task=evaluate needs an evaluation group: eval={' | eval='.join(GROUPS)} "
+                         "(or lm-eval tasks: eval.lm_eval.tasks)")
     if ev.on_unavailable not in ("skip", "error"):
         raise ValueError(f"eval.on_unavailable={ev.on_unavailable!r}: choose skip or error")
     start = time.time()
@@ -357,7 +359,42 @@ def evaluate(cfg: DictConfig) -> dict:
               f"{spec.name}: ppl = {summary['value']:.4f} ({summary['tokens']} tokens)", flush=True)
         for problem in summary.get("bad_gold", []):
             print(f"  warning: bad gold answer, row not scored: {problem}", flush=True)
+    if lm_columns:
+        _lm_eval_columns(model, tokenizer, ev, lm_columns, key, table, results)
     return _write_outputs(cfg, out, table, results, skipped, key, time.time() - start)
+
+
+def _lm_columns(cfg: DictConfig) -> dict:
+    """``eval.lm_eval.tasks`` checked: ``{column: {"task": str, "metric": str}}`` (empty when unset)."""
+    columns = to_plain(OmegaConf.select(cfg, "eval.lm_eval.tasks")) or {}
+    for column, spec in columns.items():
+        if not isinstance(spec, dict) or set(spec) != {"task", "metric"}:
+            raise ValueError(f"eval.lm_eval.tasks.{column} must be {{task: <lm-eval task>, metric: <result key>}}, "
+                             f"got {spec!r}")
+    return columns
+
+
+def _lm_eval_columns(model, tokenizer, ev, columns: dict, key, table: ResultsTable, results: dict) -> None:
+    """``eval.lm_eval.tasks`` ({column: {task, metric}}) through lm-evaluation-harness, one table column each."""
+    from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
+
+    lm, t0 = ev.lm_eval, time.time()
+    extra = {"confirm_run_unsafe_code": True} if lm.get("confirm_run_unsafe_code") else {}
+    tasks = list(dict.fromkeys(spec["task"] for spec in columns.values()))
+    metrics = lm_eval_metrics(evaluate_with_lm_eval(
+        model, tokenizer, tasks, limit=ev.get("limit"), batch_size=int(ev.batch_size), data_dir=ev.get("data_dir"),
+        num_fewshot=lm.get("num_fewshot"), hub_tasks=bool(lm.hub_tasks), **extra))
+    for column, spec in columns.items():
+        reported = metrics.get(spec["task"], {})
+        if spec["metric"] not in reported:
+            raise KeyError(f"eval.lm_eval.tasks.{column}: lm-eval reported no {spec['metric']!r} for "
+                           f"{spec['task']}; it reported {sorted(reported)}")
+        value = float(reported[spec["metric"]])
+        table.add(*key, column, _percent(value), averaged=True)
+        results[spec["task"] if spec["task"] not in results else f"{spec['task']}[{column}]"] = {
+            "dataset": spec["task"], "metric": spec["metric"].replace(",", "/"), "value": value, "column": column,
+            "complete": ev.get("limit") is None, "wall_time_s": round(time.time() - t0, 2)}
+        print(f"{column}: {spec['task']} {spec['metric']} = {100.0 * value:.2f}", flush=True)
 
 
 def _percent(value):
