@@ -157,6 +157,41 @@ def test_condensed_export_in_the_load_dtype(tmp_path, family):
     assert_same_model(load_condensed(tmp_path), model)
 
 
+def test_condense_task_export_of_a_bf16_checkpoint(tmp_path):
+    """task=calibrate + task=condense on a bf16 DeepSeek-V3 checkpoint (non-zero fp32 correction bias, as real
+    ones have): the condensed export is bf16 with the routed layer's fp32 bias, and load_condensed gives the model
+    the test condenses itself from the checkpoint, the calibration file and the summary's choices (before: the bias
+    came back rounded to bf16)."""
+    from moe_lab.compress import Calibration
+    from moe_lab.tasks import run_task
+
+    model, tokenizer = load_bf16("deepseek_v3")
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    text = word_text(tmp_path / "c4.txt", 30)
+    data = ["num_sequences=4", "seq_len=16", "batch_size=2", "sample=first"]
+    model_cfg = ["model=tiny_deepseek_v3", f"model.pretrained={tmp_path / 'ckpt'}", "model.config_class=null",
+                 "model.config=null", "model.dtype=bfloat16"]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cal = run_task(compose("config", overrides=[
+            f"paths.output_dir={tmp_path / 'cal'}", "task=calibrate", *model_cfg,
+            "dataset@compress.calibration.dataset=c4", f"compress.calibration.dataset.path={text}",
+            *[f"compress.calibration.{d}" for d in data]]))
+        cfg = compose("config", overrides=[
+            f"paths.output_dir={tmp_path / 'cd'}", "task=condense", *model_cfg,
+            f"condense.calibration_file={cal['calibration']}", f"condense.search.dataset.path={text}",
+            "condense.routed_experts=2", "condense.layers=[1]", *[f"condense.search.{d}" for d in data]])
+    summary = run_task(cfg)
+    assert summary["export_format"] == "condensed"
+    export = tmp_path / "cd" / "export"
+    state = assert_in_bf16(export)
+    reference, _ = load_model(cfg.model)
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert torch.equal(state[bias], reference.get_buffer(bias))
+    condense(reference.eval(), Calibration.load(cal["calibration"]), [1], {1: summary["experts"]["1"]})
+    assert_same_model(load_condensed(export), reference)
+
+
 def test_vanilla_condensed_export_of_an_upcast_model_is_bf16(tmp_path):
     """to_vanilla of a bf16-loaded Qwen3-MoE condensed in fp32 (model.float()): written in bf16, equal to the fp32
     vanilla model cast to bf16 (before: a float32 export)."""
