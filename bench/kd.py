@@ -117,7 +117,8 @@ def head_share(args, teacher_cfg, student_cfg) -> float:
 
 
 def step_time(args, layers: int, before=None) -> dict:
-    """Minimum over --reps (alternating) of each KD step variant and the separate teacher + student step."""
+    """Minimum over --reps (order rotated per rep) of each KD step variant and the separate teacher + student
+    step, after one untimed warm-up step of each."""
     import moe_lab.methods.distill as md
     from moe_lab.methods.distill import KDModule
 
@@ -148,9 +149,14 @@ def step_time(args, layers: int, before=None) -> dict:
     if before is not None:
         fns["kd_before"] = kd_with(before.chunked_head_kd)
     fns["separate"] = separate
+    for fn in fns.values():  # warm-up: first-call costs (kernel selection, caches) are not the step's
+        student.zero_grad(set_to_none=True)
+        fn()
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(args.reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(args.reps):  # the order rotates: each variant follows each other one (allocator state)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = fns[name]
             student.zero_grad(set_to_none=True)
             _sync(device)
             start = CLOCK[0]()
