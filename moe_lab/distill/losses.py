@@ -118,16 +118,11 @@ def _head_logits(head, h: torch.Tensor, plain: bool, bufs: dict, name: str) -> t
     return torch.mm(h, w.t(), out=_buffer(bufs, name, h.shape[0], w.shape[0], w.dtype, w.device))
 
 
-def _lse(top: torch.Tensor, arg: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp from the row maximum and the softmax there: lse = max - log p[argmax] (p >= 1 / V)."""
-    return top - p.gather(1, arg[:, None]).squeeze(1).log()
-
-
 def _fkl_terms(z_s, z_t, keep, drop, tau, own_s, bufs, want):
     """Forward KL of one chunk: ``(tau^2 sum over kept rows of KL(p_T || p_S), top-1 matches, G)`` with
     ``G = p_S - p_T`` (fp32, zero on dropped rows; the logit gradient of tau^2 KL is tau G). Per row
     KL = <p_T, z_T' - z_S'> - lse_T' + lse_S' (z' = z / tau, sum p_T = 1), lse = max - log p[argmax], so each
-    model needs one max/argmax and one softmax pass. ``z_t`` is overwritten (it ends up holding G), ``z_s``
+    model needs one max/argmax pass and one softmax pass. ``z_t`` is overwritten (it ends up holding G), ``z_s``
     only when ``own_s`` (and tau != 1)."""
     if z_s.dtype != torch.float32:
         z_s, own_s = z_s.float(), True
@@ -141,7 +136,8 @@ def _fkl_terms(z_s, z_t, keep, drop, tau, own_s, bufs, want):
     p_t = torch.softmax(z_t, -1, out=_buffer(bufs, "p", *z_t.shape, torch.float32, z_t.device))
     rows = z_t.sub_(z_s).mul_(p_t).sum(-1)  # <p_T, z_T' - z_S'>, in fp32 per row
     g = torch.softmax(z_s, -1, out=z_t)
-    rows += _lse(m_s, a_s, g) - _lse(m_t, a_t, p_t)
+    # lse_S' - lse_T' = m_S - m_T + log(p_T[argmax_T] / p_S[argmax_S]) (both >= 1 / V): one log per chunk
+    rows += (m_s - m_t).add_((p_t.gather(1, a_t[:, None]) / g.gather(1, a_s[:, None])).squeeze(1).log_())
     match = a_s == a_t
     if drop is not None:
         rows, match = rows[keep], match[keep]
