@@ -135,6 +135,21 @@ def test_prune_keeps_the_fp32_correction_bias(tmp_path):
     assert_same_model(back, pruned)
 
 
+def test_prune_of_an_upcast_bf16_model_is_bf16(tmp_path):
+    """Pruning a bf16-loaded model trained with fp32 master weights: the pruned model is built in the load dtype
+    and equals the pruning of the model as loaded (before: an fp32 pruned model)."""
+    model, tokenizer = load_bf16("olmoe")
+    as_loaded = copy.deepcopy(model)
+    calibration = calibrate(as_loaded, [random_batch(3, 10)])
+    apply_master_weights(model, "bf16-mixed")
+    pruned = prune_experts(model, calibration, keep=4, top_k=2)
+    assert next(pruned.parameters()).dtype == BF16
+    export_compressed(pruned, tmp_path, tokenizer)
+    assert_in_bf16(tmp_path)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path),
+                      prune_experts(as_loaded, calibration, keep=4, top_k=2))
+
+
 # task=condense -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["deepseek_v3", "olmoe"])
 def test_condensed_export_in_the_load_dtype(tmp_path, family):

@@ -20,6 +20,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..methods.precision import load_dtype
 from ..models import validate_config
 from ..moe.registry import expert_count_field
 from ..moe.view import MoELayerView, find_moe_layers
@@ -164,8 +165,7 @@ def prune_experts(model: nn.Module, calibration: Calibration | None = None, keep
                                             group_balanced)
         _check_groups(view, kept[view.index], top_k)
     config = pruned_config(model.config, keep, top_k)
-    dtype = next(model.parameters()).dtype
-    pruned = build_uninitialised(config, dtype).to(next(model.parameters()).device).eval()
+    pruned = build_uninitialised(config, load_dtype(model)).to(next(model.parameters()).device).eval()
     sliced = _sliced_state(model, views, kept)
     missing, unexpected = pruned.load_state_dict(sliced, strict=False)
     if missing or unexpected:  # every tensor must come from the model (the new one is uninitialised)
