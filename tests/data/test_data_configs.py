@@ -34,6 +34,7 @@ REMOTE = {
     "gsm8k_train": (PromptCompletionDataModule, "llm_adapters", "openai/gsm8k", "main"),
     "codealpaca": (PromptCompletionDataModule, "llm_adapters", "sahil2801/CodeAlpaca-20k", None),
     "nemotron_code": (ShareGPTDataModule, "chat", "autoprogrammer/nemotron_code_lf_filtered", None),
+    "magicoder": (PromptCompletionDataModule, "llm_adapters", "ise-uiuc/Magicoder-Evol-Instruct-110K", None),
     "mmlu_train": (MMLUDataModule, "llm_adapters", "cais/mmlu", "auxiliary_train"),
     "fineweb_edu": (TextBlockDataModule, None, "HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "c4": (TextBlockDataModule, None, "allenai/c4", "en"),

@@ -126,6 +126,24 @@ def test_codealpaca_missing_output_names_field(tmp_path):
         datamodule("codealpaca", path)
 
 
+# Compressed Experts run_sft.py formatting_prompts_func: an f-string inside a function body, so the lines after the
+# first carry 8 spaces (the blank ones too), and the no-input branch keeps the "paired with an input" header.
+INDENT = " " * 8  # written out, not as trailing whitespace in the source
+CE_MAGICODER = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    f"Write a response that appropriately completes the request.\n{INDENT}\n"
+    f"{INDENT}### Instruction:\n{INDENT}Print hello.\n{INDENT}\n"
+    f"{INDENT}### Response:\n{INDENT}"
+)
+
+
+def test_magicoder_compressed_experts_prompt(tmp_path):
+    rows = [{"instruction": "Print hello.", "response": "```python\nprint('hello')\n```"}]
+    dm = datamodule("magicoder", write_jsonl(tmp_path / "magic.jsonl", rows))
+    [(ids, labels)] = examples_by_prompt_start(dm)
+    assert (ids, labels) == expected(CE_MAGICODER, "```python\nprint('hello')\n```\n        ")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Nemotron code / ShareGPT rows
 
