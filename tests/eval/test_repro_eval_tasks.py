@@ -24,6 +24,7 @@ P3 = {
     "BBH": ("bbh_fewshot", 3, "exact_match"),
     "TruthfulQA MC2": ("truthfulqa_mc2", 0, "acc"),
     "HumanEval pass@1": ("humaneval", 0, "pass@1,create_test"),
+    "HumanEval pass@10": ("humaneval_pass10", 0, "pass@10,create_test"),  # moe-lab's task (lm_eval_tasks/)
     "GSM8K": ("gsm8k_cot_zeroshot", 0, "exact_match,flexible-extract"),
 }
 # [P1] (finetuning.md section 3 names the benchmarks, no shot counts): column -> lm-eval task per row
@@ -47,7 +48,7 @@ def _compose(*overrides):
 def _index():
     from lm_eval.tasks import TaskManager
 
-    return TaskManager().task_index
+    return TaskManager(include_path=str(lm_eval_bridge.TASK_DIR)).task_index  # + moe-lab's humaneval_pass10
 
 
 def _yaml(name: str) -> dict:
