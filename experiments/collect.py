@@ -14,6 +14,9 @@ paper_model, model, paper_row, row, train, eval, benchmark, metric, value, sourc
 - ``benchmark`` is the results-table column (``GSM8K``, ``Avg.``, ...).
 
 ``--as OURS=PAPER`` renames our labels before matching (a tiny stand-in: ``--as tiny_olmoe=olmoe_0125``).
+Where a paper's ``Avg.`` is a mean over lm-eval's own (hub) tasks (``HUB_AVERAGES``), our average is shown only if
+its tasks are hub tasks too (the ``task_source`` a run's summary records, or its ``eval.lm_eval`` tasks); a mean
+over moe-lab's ``llm_adapters_*`` tasks or moe-lab eval sets prints ``n/a`` with a footnote.
 Paper cells without a value (not in the specs) print ``n/a``; the difference is ours - paper, in points,
 and ``n/a`` where either side is missing or the metrics differ. Results on ``eval.limit`` rows are marked *.
 """
@@ -36,8 +39,11 @@ PAPERS_DIR = Path(__file__).resolve().parent
 FIELDS = ("table", "paper_model", "model", "paper_row", "row", "train", "eval", "benchmark", "metric", "value",
           "source")
 OUT_FIELDS = ("table", "model", "method", "train", "benchmark", "metric", "paper", "ours", "diff", "limit", "partial",
-              "run")
+              "run", "note")
 _METRIC = {s.title: s.metric for s in EVAL_SETS.values()}
+# papers whose Avg. is a mean of lm-eval hub tasks (their data and prompts, not the LLM-Adapters files)
+HUB_AVERAGES = {"condense": "compression spec 3.9: lm-eval zero-shot, 8 tasks",
+                "moe_to_dense": "compression spec 2.11: five lm-eval hub tasks"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Ours:
     run: Path
     eval_cfg: dict
     partial: bool = False  # an average over fewer sets than the run's table has (some skipped)
+    source: str | None = None  # the table's tasks: hub, llm_adapters, moe_lab (eval sets), mixed; None = unknown
 
 
 def papers() -> list[str]:
@@ -146,6 +153,7 @@ def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
         eval_cfg = OmegaConf.to_container(eval_node) if eval_node is not None else {}
         # a run that records what it evaluated (task=condense: layers condensed, S/SR, selections) beside it
         eval_cfg = {**eval_cfg, **summary.get("eval_settings", {})}
+        source = eval_cfg.get("task_source") or _config_source(eval_cfg)
         train = train_choice(summary.get("checkpoint"), run)
         train = rename(train, train) if train else train
         for key, row in table.cells.items():
@@ -156,8 +164,20 @@ def load_ours(runs, aliases: dict[str, str] | None = None) -> list[Ours]:
             for column, value in values.items():
                 cells.append(Ours(rename(key[0], key[0]), rename(key[1], key[1]), train, column, value,
                                   summary.get("limit"), run, eval_cfg,
-                                  partial=column == AVERAGE and n < table.n_averaged))
+                                  partial=column == AVERAGE and n < table.n_averaged, source=source))
     return cells
+
+
+def _config_source(eval_cfg: dict) -> str | None:
+    """The task source of a task=evaluate run from its ``eval`` config: moe-lab eval sets (``eval.datasets``)
+    and/or lm-eval tasks (``eval.lm_eval.tasks``, hub or ``llm_adapters_*``); None when neither is recorded."""
+    sources = {"moe_lab"} if eval_cfg.get("datasets") else set()
+    tasks = [spec["task"] for spec in ((eval_cfg.get("lm_eval") or {}).get("tasks") or {}).values()]
+    if tasks:
+        from moe_lab.tasks.cd_moe_sft import task_source
+
+        sources.add(task_source(tasks))
+    return None if not sources else sources.pop() if len(sources) == 1 else "mixed"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,12 +204,14 @@ def _matches(paper: dict, ours: Ours) -> bool:
             and ours.train == paper["train"] and _eval_holds(paper["eval"], ours.eval_cfg))
 
 
-def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) -> tuple[list[dict], list[Ours]]:
+def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False,
+            hub_average: bool = False) -> tuple[list[dict], list[Ours]]:
     """(comparison rows in ``OUT_FIELDS``, our cells that match no paper cell).
 
     Only the rows (table, model, method) with at least one of our cells are listed unless ``all_tables``
     (then every paper cell is); where several of our runs
-    match one paper cell the last one given wins (and a warning names both)."""
+    match one paper cell the last one given wins (and a warning names both). With ``hub_average`` (the paper's
+    ``Avg.`` is over lm-eval hub tasks) an average of ours over other tasks is withheld (``note`` names them)."""
     used: set[int] = set()
     rows = []
     for paper in reported:
@@ -201,6 +223,9 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) ->
                   "the last is shown", file=sys.stderr)
         mine = ours[hits[-1]] if hits else None
         value = None if mine is None else mine.value
+        note = ""
+        if hub_average and mine is not None and paper["benchmark"] == AVERAGE and mine.source != "hub":
+            value, note = None, f"ours averages {mine.source or 'unrecorded'} tasks, the paper lm-eval hub tasks"
         our_metric = _METRIC.get(paper["benchmark"], paper["metric"])
         comparable = our_metric == paper["metric"]
         diff = value - paper["value"] if comparable and value is not None and paper["value"] is not None else None
@@ -210,7 +235,7 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False) ->
             "metric": paper["metric"] if comparable else f"{paper['metric']} (ours: {our_metric})",
             "paper": paper["value"], "ours": value, "diff": diff,
             "limit": None if mine is None else mine.limit, "run": None if mine is None else str(mine.run),
-            "partial": mine is not None and mine.partial,
+            "partial": mine is not None and mine.partial, "note": note,
         })
     if not all_tables:
         shown = {(r["table"], r["model"], r["method"]) for r in rows if r["run"] is not None}
@@ -232,7 +257,7 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     """One markdown table per paper table, then our cells that match no paper cell."""
     lines: list[str] = []
     header = ["model", "method", "train", "benchmark", "metric", "paper", "ours", "diff"]
-    limited = partial = False
+    limited = partial = refused = False
     for table in dict.fromkeys(r["table"] for r in rows):
         lines += [f"### {table}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in (r for r in rows if r["table"] == table):
@@ -240,6 +265,8 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
             limited |= bool(mark)
             if r["partial"]:
                 mark, partial = mark + "+", True
+            if r.get("note"):
+                mark, refused = mark + "\u2020", True
             cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]),
                      _fmt(r["ours"]) + mark, _fmt(r["diff"], signed=True)]
             lines.append("| " + " | ".join(cells) + " |")
@@ -248,6 +275,9 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
         lines += ["\\* ours on the first eval.limit rows of each set only", ""]
     if partial:
         lines += ["\\+ our average over the sets with a result only (others skipped or unavailable)", ""]
+    if refused:
+        lines += [("\u2020 not compared: the paper's Avg. is a mean of lm-eval hub tasks, ours of other tasks "
+                   "(moe-lab's llm_adapters_* tasks or eval sets); evaluate the paper's hub tasks (hub_tasks=true)"), ""]
     if not rows:
         lines += ["(no paper table has a result among the given runs)", ""]
     if unmatched:
@@ -292,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows, unmatched = compare(reported, ours, all_tables=args.all)
+    rows, unmatched = compare(reported, ours, all_tables=args.all, hub_average=args.paper in HUB_AVERAGES)
     markdown = to_markdown(rows, unmatched)
     if args.out:
         write_outputs(Path(args.out), rows, markdown)

@@ -83,6 +83,17 @@ def results_table(metrics: dict, tasks: list[str], model: str, method: str):
     return table
 
 
+def task_source(tasks: list[str]) -> str:
+    """Where lm-eval ``tasks`` come from, for the summary (experiments.collect compares averages of one source
+    only): ``hub`` (lm-eval's own tasks), ``llm_adapters`` (moe-lab's ``llm_adapters_*`` over the local files)
+    or ``mixed``."""
+    from ..eval.lm_eval_bridge import check_task_names
+
+    tasks = set(tasks)
+    local = set(check_task_names(sorted(tasks), hub_tasks=True))
+    return "hub" if not local else "llm_adapters" if local == tasks else "mixed"
+
+
 def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
     import gc
 
@@ -103,7 +114,8 @@ def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
                                    hub_tasks=bool(e.hub_tasks), data_dir=cfg.paths.data_dir)
     metrics = lm_eval_metrics(result)
     table = results_table(metrics, list(e.tasks), cfg.model.name, label)
-    return {"eval": metrics, "table": table.to_json(), "columns": table.columns, "limit": e.limit}
+    return {"eval": metrics, "table": table.to_json(), "columns": table.columns, "limit": e.limit,
+            "eval_settings": {"task_source": task_source(list(e.tasks))}}
 
 
 def cd_moe_sft(cfg: DictConfig) -> dict:

@@ -135,7 +135,7 @@ def condense_task(cfg: DictConfig) -> dict:
         summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
         from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
-        from .cd_moe_sft import results_table
+        from .cd_moe_sft import results_table, task_source
 
         result = evaluate_with_lm_eval(model, tokenizer, list(c.eval.tasks), limit=c.eval.limit,
                                        batch_size=int(c.eval.batch_size), hub_tasks=bool(c.eval.hub_tasks),
@@ -146,7 +146,8 @@ def condense_task(cfg: DictConfig) -> dict:
         table = results_table(summary["eval"], list(c.eval.tasks), cfg.model.name, label)
         summary.update(table=table.to_json(), columns=table.columns, limit=c.eval.limit, eval_settings={
             "name": "lm_eval", "layers": len(order), "routed_experts": int(c.routed_experts),
-            "expert_selection": c.expert_selection, "layer_selection": c.layer_selection})
+            "expert_selection": c.expert_selection, "layer_selection": c.layer_selection,
+            "task_source": task_source(list(c.eval.tasks))})
     summary["wall_time_s"] = round(time.time() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
