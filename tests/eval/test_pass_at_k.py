@@ -190,3 +190,43 @@ def test_p3_presets_report_pass10(preset):
     spec = ev.lm_eval.tasks["HumanEval pass@10"]
     assert (spec.task, spec.metric) == (TASK, "pass@10,create_test")
     assert ev.lm_eval.hub_tasks and ev.lm_eval.confirm_run_unsafe_code
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end through lm-eval (tiny model, the two hand-made docs; verdicts from a rule on the program text)
+
+
+def test_lm_eval_run_reports_the_presets_result_key(built, monkeypatch):
+    """``simple_evaluate`` samples ``repeats`` completions per doc and reports "pass@10,create_test" (the key the
+    [P3] presets read) = the closed form over the logged programs' verdicts."""
+    _, task = built
+    import datasets
+    from lm_eval.api.task import ConfigurableTask
+
+    from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+    from moe_lab.eval.lm_eval_bridge import evaluate_with_lm_eval
+    from tests.conftest import build_tiny
+
+    def fake_download(self, *args, **kwargs):
+        self.dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(DOCS)})
+
+    def verdict(program, timeout=3.0):  # stands in for running the program (nothing is executed)
+        return len(program) % 3 == 0
+
+    monkeypatch.setattr(ConfigurableTask, "download", fake_download)
+    monkeypatch.setattr(_utils(), "check_correctness", verdict)
+    model = build_tiny("olmoe", vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=256).eval()
+    result = evaluate_with_lm_eval(model, build_byte_tokenizer(), [TASK], hub_tasks=True, batch_size=8,
+                                   confirm_run_unsafe_code=True, gen_kwargs={"max_gen_toks": 6}, log_samples=True)
+    samples = result["samples"][TASK]
+    assert len(samples) == len(DOCS)
+    expected = []
+    for sample in samples:
+        [programs], [responses] = sample["filtered_resps"], sample["resps"]
+        assert len(responses) == 20 and len(set(responses)) > 1  # 20 sampled completions, not one greedy
+        assert programs == [sample["doc"]["prompt"] + r for r in responses]
+        test = task.doc_to_target(sample["doc"])  # each program runs with its test appended
+        expected.append(closed_form(20, sum(verdict(p + "\n" + test) for p in programs), 10))
+    reported = result["results"][TASK]
+    assert reported["pass@10,create_test"] == pytest.approx(sum(expected) / len(expected), abs=1e-14)
+    assert "pass@1,create_test" in reported
