@@ -34,21 +34,31 @@ CHAT_FORMATS = ("auto", "template", "plain")
 Segments = list[tuple[list[int], bool]]
 
 
-def validate_chat_row(row: Mapping[str, Any], source: str, i: int, field: str = "messages") -> list[dict]:
-    """The row's messages as ``[{"role", "content", "mask"}]``; a malformed row raises naming row/line/field."""
+def validate_chat_row(row: Mapping[str, Any], source: str, i: int, field: str = "messages",
+                      keys: tuple[str, str] = ("role", "content"), roles: Mapping[str, str] | None = None) -> list[dict]:
+    """The row's messages as ``[{"role", "content", "mask"}]``; a malformed row raises naming row/line/field.
+
+    ``keys``: the role and content keys of a message (ShareGPT: ``("from", "value")``); ``roles``: the accepted
+    role tags mapped to chat roles (default: the chat roles themselves)."""
+    role_key, content_key = keys
+    roles = roles or {r: r for r in ROLES}
+    noun = "messages" if keys == ("role", "content") else "turns"
     messages = row.get(field)
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where(source, i)}: field '{field}' must be a non-empty list of messages, got {messages!r}")
+        raise ValueError(f"{where(source, i)}: field '{field}' must be a non-empty list of {noun}, got "
+                         f"{messages!r:.200}")
     out = []
     for j, message in enumerate(messages):
         name = f"{field}[{j}]"
         if not isinstance(message, Mapping):
-            raise TypeError(f"{where(source, i)}: field '{name}' must be an object with role and content")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"{where(source, i)}: field '{name}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+            raise TypeError(f"{where(source, i)}: field '{name}' must be an object with {role_key} and {content_key}")
+        role, content = message.get(role_key), message.get(content_key)
+        if role not in roles:
+            raise ValueError(f"{where(source, i)}: field '{name}.{role_key}' must be one of {', '.join(roles)}, "
+                             f"got {role!r}")
         if not isinstance(content, str):
-            raise TypeError(f"{where(source, i)}: field '{name}.content' must be a string, got {content!r}")
+            raise TypeError(f"{where(source, i)}: field '{name}.{content_key}' must be a string, got {content!r:.200}")
+        role = roles[role]
         out.append({"role": role, "content": content, "mask": bool(message.get("mask") or 0)})
     if out[0]["role"] == "assistant":
         raise ValueError(f"{where(source, i)}: field '{field}[0].role' is 'assistant'; a conversation starts "

@@ -14,7 +14,7 @@ from typing import Any
 
 from moe_lab.data.chat import validate_chat_row
 from moe_lab.data.datamodule import SFTDataModule
-from moe_lab.data.sources import read_rows, source_label, where
+from moe_lab.data.sources import read_rows, source_label
 
 #: ``from`` tag -> chat role (LLaMA-Factory's sharegpt tags and the original human/gpt ones).
 ROLE_TAGS = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
@@ -22,22 +22,7 @@ ROLE_TAGS = {"system": "system", "user": "user", "human": "user", "assistant": "
 
 def sharegpt_messages(row: Mapping[str, Any], source: str, i: int, field: str = "conversations") -> list[dict]:
     """The row's turns as validated chat messages; a malformed turn raises naming row/line/field."""
-    turns = row.get(field)
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{where(source, i)}: field '{field}' must be a non-empty list of turns, got {turns!r:.200}")
-    messages = []
-    for j, turn in enumerate(turns):
-        name = f"{field}[{j}]"
-        if not isinstance(turn, Mapping):
-            raise TypeError(f"{where(source, i)}: field '{name}' must be an object with from and value")
-        tag, value = turn.get("from"), turn.get("value")
-        if tag not in ROLE_TAGS:
-            raise ValueError(f"{where(source, i)}: field '{name}.from' must be one of {', '.join(ROLE_TAGS)}, "
-                             f"got {tag!r}")
-        if not isinstance(value, str):
-            raise TypeError(f"{where(source, i)}: field '{name}.value' must be a string, got {value!r:.200}")
-        messages.append({"role": ROLE_TAGS[tag], "content": value})
-    return validate_chat_row({field: messages}, source, i, field)
+    return validate_chat_row(row, source, i, field, keys=("from", "value"), roles=ROLE_TAGS)
 
 
 class ShareGPTDataModule(SFTDataModule):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -26,7 +24,7 @@ import torch
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
 from ..distill.teacher import WEIGHT_RULES, load_teacher, widen_teacher
-from ..moe.patch import MoEPatch
+from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
 from .base import MoELightningModule
@@ -62,21 +60,12 @@ class _DensePatch:
         """``export_compressed`` (vanilla-loadable, with the compression manifest) of ``export_state_dict``,
         then the export hooks, written to a temporary folder that replaces ``path`` only when complete."""
         from ..compress.dense import export_compressed
-        from ..moe.patch import _atomic_replace_dir
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        try:
+        def write(tmp: Path) -> None:
             state_dict = self.export_state_dict() if self.export_state_dict else None
             export_compressed(self.model, tmp, tokenizer, state_dict=state_dict)
-            for hook in self.export_hooks:
-                hook(tmp)
-            _atomic_replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+
+        return atomic_export(path, write, self.export_hooks)
 
 
 def _has_moe(model) -> bool:

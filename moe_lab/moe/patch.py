@@ -188,22 +188,14 @@ class MoEPatch:
     # export -------------------------------------------------------------------------------
     def export(self, path: str | os.PathLike, tokenizer=None, safe_serialization: bool = True) -> Path:
         """Write a checkpoint vanilla ``AutoModelForCausalLM.from_pretrained`` loads, atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        try:
+        def write(tmp: Path) -> None:
             with self.removed(), self._exported_config():
                 state_dict = self.export_state_dict() if self.export_state_dict else None
                 self.model.save_pretrained(tmp, safe_serialization=safe_serialization, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            for hook in self.export_hooks:
-                hook(tmp)
-            _atomic_replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+
+        return atomic_export(path, write, self.export_hooks)
 
     @contextmanager
     def _exported_config(self):
@@ -237,6 +229,23 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+def atomic_export(path: str | os.PathLike, write, hooks=()) -> Path:
+    """``write(tmp)``, then each of ``hooks(tmp)``, on a temporary folder beside ``path``, which replaces ``path``
+    only once all of them finished (a failure leaves ``path`` as it was and removes the temporary folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        write(tmp)
+        for hook in hooks:
+            hook(tmp)
+        _atomic_replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
 
 
 def _atomic_replace_dir(src: Path, dst: Path) -> None:
