@@ -317,7 +317,8 @@ torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, f"{r
 def test_zero_checkpoint_of_a_dense_kd_run_converts(dense_student, tmp_path):
     """DeepSpeed's own engine (CPU, one rank, bf16, ZeRO-2) trains the dense KD student of a run's config.yaml one
     step and saves a ZeRO checkpoint; convert loads the model for the run's method (before: refused as a dense model)
-    and writes a bf16 export equal to the engine's bf16 weights (the oracle, saved by the engine's process)."""
+    and writes a bf16 export equal to the engine's bf16 weights (the oracle, saved by the engine's process), with
+    the run's teacher and teacher record deleted since (KDModule(export_only=True): neither is loaded)."""
     from moe_lab.tasks.checkpoint_io import convert_zero_checkpoint
 
     run = tmp_path / "run"
@@ -329,6 +330,9 @@ def test_zero_checkpoint_of_a_dense_kd_run_converts(dense_student, tmp_path):
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     oracle = torch.load(run / "oracle.pt", weights_only=True)
+    cfg = OmegaConf.load(run / "config.yaml")  # teacher and teacher record gone since: conversion needs neither
+    cfg.method.teacher, cfg.method.options.teacher_logits = str(tmp_path / "gone"), str(tmp_path / "gone.st")
+    OmegaConf.save(cfg, run / "config.yaml")
     convert_zero_checkpoint(run / "checkpoints" / "last.ckpt", tmp_path / "export")
     assert_in_bf16(tmp_path / "export")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()

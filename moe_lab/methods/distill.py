@@ -147,11 +147,14 @@ class KDModule(MoELightningModule):
     lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw),
     teacher_logits (a ``task=teacher_logits`` file: the teacher recorded over this run's batches, per rank and
     split, read through ``RecordedTeacher``, which refuses batches other than the recorded ones; no live teacher).
+    ``export_only``: the student alone, neither teacher nor record loaded (to convert or export a checkpoint; a fit
+    is refused).
     """
 
     def __init__(self, model, teacher=None, options: dict | None = None, optim: dict | None = None,
                  scheduler: dict | None = None, gradient_checkpointing: bool = False, name: str = "kd",
-                 method: str = "sft", master_weights: str = "fp32", lora: dict | None = None):
+                 method: str = "sft", master_weights: str = "fp32", lora: dict | None = None,
+                 export_only: bool = False):
         opts = _plain(options) or {}
         unknown = sorted(set(opts) - set(DEFAULTS))
         if unknown:
@@ -185,16 +188,19 @@ class KDModule(MoELightningModule):
                                        "gradient_checkpointing": gradient_checkpointing,
                                        "master_weights": master_weights})
         self.record = None  # a RecordedTeacher (method.options.teacher_logits)
-        if self.kd["teacher_logits"]:
+        self.export_only = bool(export_only)  # the student alone (no teacher, no record): converting a checkpoint
+        if self.export_only:
+            self._teacher = [None]
+        elif self.kd["teacher_logits"]:
             self._use_record()
             self._teacher = [None]
         else:
             self._teacher = [load_teacher(teacher)]  # a list: not a submodule (never trained or checkpointed)
         self.teacher_patch = None
-        if self.kd["teacher_top_k"] is not None:
+        if self.kd["teacher_top_k"] is not None and not self.export_only:
             self.teacher_patch = widen_teacher(self.teacher, int(self.kd["teacher_top_k"]),
                                                self.kd["teacher_weight_rule"])
-        if self.record is None:
+        if self.record is None and not self.export_only:
             self._check_pair()
         self._window_sum = 0.0
         self._window_tokens = 0
@@ -268,6 +274,12 @@ class KDModule(MoELightningModule):
         self.teacher.eval()
 
     def on_fit_start(self):
+        if self.export_only:
+            raise ValueError("KDModule(export_only=True) has no teacher: it converts or exports a checkpoint and "
+                             "cannot train (build it without export_only)")
+        if self.record is not None:  # a record for another data-parallel size W is refused before any work
+            shard = self.trainer.distributed_sampler_kwargs
+            self.record.bind(*((int(shard["num_replicas"]), int(shard["rank"])) if shard else (1, 0)))
         super().on_fit_start()
         self.model.train()  # from_pretrained returns eval mode
         self._move_teacher()

@@ -297,9 +297,12 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     the run's ``config.yaml`` rebuilds the model and method (the Lightning module's keys, ``_forward_module.``
     prefixes of old Lightning versions stripped; loaded for the run's method, so a dense student of method=kd
     loads), and the method's own export writes ``out`` in the model's load dtype (LoRA merged, method metadata
-    beside it), as finetune's export."""
+    beside it), as finetune's export. A method that takes ``export_only`` is built with it (method=kd: the student
+    without its teacher or teacher record, which need not exist any more)."""
+    import inspect
+
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from hydra.utils import instantiate
+    from hydra.utils import get_class, instantiate
 
     from ..methods.precision import export_in_load_dtype
     from ..models import load_model
@@ -312,8 +315,9 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
     state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
     model, tokenizer = load_model(cfg.model, method=cfg.method.name)
+    export_only = "export_only" in inspect.signature(get_class(cfg.method._target_)).parameters
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
-                         _recursive_=False)
+                         _recursive_=False, **({"export_only": True} if export_only else {}))
     try:
         module.load_state_dict(state)  # parameters and persistent buffers (condenser biases) alike
     except RuntimeError as err:
