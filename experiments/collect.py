@@ -19,6 +19,9 @@ its tasks are hub tasks too (the ``task_source`` a run's summary records, or its
 over moe-lab's ``llm_adapters_*`` tasks or moe-lab eval sets prints ``n/a`` with a footnote.
 Paper cells without a value (not in the specs) print ``n/a``; the difference is ours - paper, in points,
 and ``n/a`` where either side is missing or the metrics differ. Results on ``eval.limit`` rows are marked *.
+A paper with a normalised-performance column (``NORMALISE``: Compressed Experts, method / full top-k) gets one
+``Normalised`` line per row: 100 x the row's mean over its benchmarks / the same model's top-k row's mean over
+the same benchmarks, the paper's and ours apart (``n/a`` where a cell of either row is missing).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ _METRIC = {s.title: s.metric for s in EVAL_SETS.values()}
 # papers whose Avg. is a mean of lm-eval hub tasks (their data and prompts, not the LLM-Adapters files)
 HUB_AVERAGES = {"condense": "compression spec 3.9: lm-eval zero-shot, 8 tasks",
                 "moe_to_dense": "compression spec 2.11: five lm-eval hub tasks"}
+# papers with a normalised-performance column: the paper_row it divides by (finetuning spec 3: method / full top-k)
+NORMALISE = {"compressed_experts": "Top-k SFT"}
+NORMALISED = "Normalised"  # the benchmark label of a row's normalised-performance line
 
 
 @dataclass(frozen=True)
@@ -204,14 +210,15 @@ def _matches(paper: dict, ours: Ours) -> bool:
             and ours.train == paper["train"] and _eval_holds(paper["eval"], ours.eval_cfg))
 
 
-def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False,
-            hub_average: bool = False) -> tuple[list[dict], list[Ours]]:
+def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False, hub_average: bool = False,
+            normalise_to: str | None = None) -> tuple[list[dict], list[Ours]]:
     """(comparison rows in ``OUT_FIELDS``, our cells that match no paper cell).
 
     Only the rows (table, model, method) with at least one of our cells are listed unless ``all_tables``
     (then every paper cell is); where several of our runs
     match one paper cell the last one given wins (and a warning names both). With ``hub_average`` (the paper's
-    ``Avg.`` is over lm-eval hub tasks) an average of ours over other tasks is withheld (``note`` names them)."""
+    ``Avg.`` is over lm-eval hub tasks) an average of ours over other tasks is withheld (``note`` names them).
+    With ``normalise_to`` (a paper row label) every row gets a ``normalised`` line (see there)."""
     used: set[int] = set()
     rows = []
     for paper in reported:
@@ -237,10 +244,50 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False,
             "limit": None if mine is None else mine.limit, "run": None if mine is None else str(mine.run),
             "partial": mine is not None and mine.partial, "note": note,
         })
+    if normalise_to is not None:
+        rows = normalised(rows, normalise_to)
     if not all_tables:
         shown = {(r["table"], r["model"], r["method"]) for r in rows if r["run"] is not None}
         rows = [r for r in rows if (r["table"], r["model"], r["method"]) in shown]
     return rows, [cell for k, cell in enumerate(ours) if k not in used]
+
+
+def _mean(values: list) -> float | None:
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def normalised(rows: list[dict], reference: str) -> list[dict]:
+    """``rows`` with a ``Normalised`` line after each (table, model, method) row: 100 x its mean over its benchmarks
+    (``Avg.`` left out unless it is the only one) / the mean over the same benchmarks of the ``reference`` row of
+    the same model (same table first, else the first table holding them all), the paper's and ours apart; None where
+    a cell is missing or the reference has no such row."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["table"], r["model"], r["method"]), []).append(r)
+    out = []
+    for (table, model, method), group in groups.items():
+        out += group
+        cells = {r["benchmark"]: r for r in group}
+        benchmarks = [b for b in cells if b != AVERAGE] or [AVERAGE]
+        refs = sorted((g for (t, m, row), g in groups.items() if m == model and row == reference),
+                      key=lambda g: g[0]["table"] != table)
+        ref = next(({r["benchmark"]: r for r in g} for g in refs if set(benchmarks) <= {r["benchmark"] for r in g}),
+                   None)
+        used = [cells[b] for b in benchmarks] + ([ref[b] for b in benchmarks] if ref is not None else [])
+        ratio = {}
+        for side in ("paper", "ours"):
+            num = _mean([cells[b][side] for b in benchmarks])
+            den = _mean([ref[b][side] for b in benchmarks]) if ref is not None else None
+            ratio[side] = 100.0 * num / den if num is not None and den else None
+        limits = [r["limit"] for r in used if r["limit"] is not None and r["ours"] is not None]
+        out.append({
+            "table": table, "model": model, "method": method, "train": "", "benchmark": NORMALISED,
+            "metric": f"% of {reference}", "paper": ratio["paper"], "ours": ratio["ours"],
+            "diff": ratio["ours"] - ratio["paper"] if None not in ratio.values() else None,
+            "limit": limits[0] if limits else None, "partial": any(r["partial"] for r in used), "run": None,
+            "note": "",
+        })
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -278,6 +325,9 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     if refused:
         lines += [("\u2020 not compared: the paper's Avg. is a mean of lm-eval hub tasks, ours of other tasks "
                    "(moe-lab's llm_adapters_* tasks or eval sets); evaluate the paper's hub tasks (hub_tasks=true)"), ""]
+    if any(r["benchmark"] == NORMALISED for r in rows):
+        lines += [(f"{NORMALISED}: 100 x the row's mean over its benchmarks / the reference row's mean over the "
+                   "same benchmarks (same model), paper and ours apart; n/a where a cell of either is missing"), ""]
     if not rows:
         lines += ["(no paper table has a result among the given runs)", ""]
     if unmatched:
@@ -322,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows, unmatched = compare(reported, ours, all_tables=args.all, hub_average=args.paper in HUB_AVERAGES)
+    rows, unmatched = compare(reported, ours, all_tables=args.all, hub_average=args.paper in HUB_AVERAGES,
+                              normalise_to=NORMALISE.get(args.paper))
     markdown = to_markdown(rows, unmatched)
     if args.out:
         write_outputs(Path(args.out), rows, markdown)
