@@ -28,6 +28,7 @@ from sft_step import train_step  # bench/ is on sys.path when run as `python ben
 import moe_lab
 from moe_lab.methods.base import sliced_weight_decay
 from moe_lab.methods.densemixer import dense_weights
+from moe_lab.methods.esft import slice_optimizer
 from moe_lab.moe.aux_loss import native_aux_loss_coef
 from moe_lab.moe.experts import expert_forward
 
@@ -117,7 +118,8 @@ def build(method: str, base) -> torch.nn.Module:
 def optimizer(model) -> torch.optim.Optimizer:
     """AdamW (lr 1e-5, weight decay 0.01) over the trainable parameters, grouped as the moe-lab Lightning
     module groups them: tensors trained only on some expert slices (ESFT) in a zero-decay group whose trained
-    slices are decayed by ``sliced_weight_decay``, so no optimizer step has to copy and restore frozen slices."""
+    slices are decayed by ``sliced_weight_decay``, so no optimizer step has to copy and restore frozen slices;
+    the ESFT module then lets AdamW step only the trained slices (``slice_optimizer``)."""
     masks = model.moe_lab_patch.expert_slice_masks
     sliced = {id(p) for p, _ in masks.values()}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -126,6 +128,7 @@ def optimizer(model) -> torch.optim.Optimizer:
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-5)
     if masks:
         sliced_weight_decay(opt, masks.values(), 0.01)
+        slice_optimizer(opt, model.moe_lab_patch)  # as ESFTLightningModule: step only the trained slices
     return opt
 
 

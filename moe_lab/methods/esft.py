@@ -415,6 +415,73 @@ def _restore_frozen_slices(optimizer, args, kwargs) -> None:
         guard.restore(optimizer)
 
 
+def slice_optimizer(optimizer: torch.optim.Optimizer, patch: MoEPatch) -> int:
+    """Make ``optimizer`` step only the trained expert slices of ESFT's packed expert tensors.
+
+    Each packed tensor of ``patch.expert_slice_masks`` in ``optimizer``'s param groups is replaced, in its
+    group, by leaf views of its runs of trained experts (sharing its storage); a post-accumulate-grad hook
+    hands them the matching slices of its gradient, and a step post-hook drops that gradient once stepped
+    (callers zero gradients after each step anyway). The frozen slices then cost no optimizer arithmetic
+    (torch steps the whole tensor otherwise, zero gradients included), and results are bit-identical: only
+    for the element-wise optimizers of ``_EXACT_AT_ZERO_DECAY``, and only for tensors without optimizer
+    state yet (call it on a fresh optimizer); others are left as they are. Returns the tensors sliced."""
+    if type(optimizer) not in _EXACT_AT_ZERO_DECAY:
+        return 0
+    masks = {id(param): mask for param, mask in patch.expert_slice_masks.values()}
+    links = []
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            if id(param) not in masks or optimizer.state.get(param):
+                params.append(param)
+                continue
+            runs = _trained_runs(masks[id(param)])
+            views = [param.detach()[start:stop].requires_grad_() for start, stop in runs]
+            params.extend(views)
+            links.append(param)
+            param.register_post_accumulate_grad_hook(_GradientSlices(runs, views))
+        group["params"] = params
+    if links:
+        optimizer.register_step_post_hook(_DropGradients(links))
+    return len(links)
+
+
+def _trained_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of the runs of consecutive True entries of ``mask`` [E]."""
+    runs: list[tuple[int, int]] = []
+    for e in mask.nonzero().squeeze(-1).tolist():
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
+
+
+class _GradientSlices:
+    """Post-accumulate-grad hook: the optimizer's slice views get the matching slices of the gradient."""
+
+    def __init__(self, runs, views):
+        self.runs, self.views = runs, views
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self.views[0].untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            raise RuntimeError("ESFT: a packed expert tensor got new storage (e.g. model.to() or a dtype change) after "
+                               "slice_optimizer: build the optimizer after moving/casting the model")
+        for (start, stop), view in zip(self.runs, self.views):
+            view.grad = param.grad[start:stop]
+
+
+class _DropGradients:
+    """Step post-hook: drop the packed tensors' gradients (their views' were consumed by the step)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        for param in self.params:
+            param.grad = None
+
+
 def normalize_selection(experts: Mapping) -> dict[int, list[int]]:
     """``{int layer: sorted unique int ids}`` from a selection with int or str keys (e.g. read from JSON)."""
     if not isinstance(experts, Mapping):

@@ -26,6 +26,7 @@ from .esft import (
     normalize_selection,
     save_selection,
     select_experts,
+    slice_optimizer,
 )
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,15 @@ class ESFTLightningModule(MoELightningModule):
         path = save_selection(directory / ARTIFACT, self.selection, self.esft_scores, method="esft",
                               **{k: v for k, v in self.esft_config.items() if v is not None}, **self.esft_info)
         self.esft_info["artifact"] = str(path)
+
+    def configure_optimizers(self):
+        """The base module's optimizer, stepping only the trained expert slices (:func:`slice_optimizer`)
+        where the strategy keeps whole parameters (not FSDP / DeepSpeed, which flatten them)."""
+        config = super().configure_optimizers()
+        strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
+        if not any(name in strategy for name in ("FSDP", "DeepSpeed")):
+            slice_optimizer(config["optimizer"], self.patch)
+        return config
 
     # checkpoints --------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
