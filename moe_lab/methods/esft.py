@@ -18,6 +18,8 @@ Unselected expert slices stay bit-identical under ANY torch optimizer, also outs
 ``torch.optim.AdamW(model.parameters(), lr=...)`` with its default weight_decay=0.01, a TRL loop): their
 gradients are zeroed by hooks, and :class:`FrozenSliceGuard` (torch's global optimizer step hooks) copies
 them before every step that could move them and writes them back after it (see its docstring).
+:func:`slice_optimizer` (used by the ESFT Lightning module) lets an element-wise optimizer step only the
+trained slices, so the frozen ones cost no optimizer arithmetic.
 """
 
 from __future__ import annotations
