@@ -155,8 +155,17 @@ class ESFTLightningModule(MoELightningModule):
         where the strategy keeps whole parameters (not FSDP / DeepSpeed, which flatten them)."""
         config = super().configure_optimizers()
         strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
-        if not any(name in strategy for name in ("FSDP", "DeepSpeed")):
-            slice_optimizer(config["optimizer"], self.patch)
+        sliced = not any(name in strategy for name in ("FSDP", "DeepSpeed")) and slice_optimizer(
+            config["optimizer"], self.patch) > 0
+        self.optimizer_layout = "sliced" if sliced else "packed"
+        resumed = getattr(self, "_resumed_optimizer_layout", None)
+        if resumed is not None and resumed != self.optimizer_layout:
+            raise ValueError(
+                f"this ESFT checkpoint holds optimizer state for {resumed} expert tensors, but this run steps "
+                f"{self.optimizer_layout} ones (checkpoints written before moe-lab stepped only the trained expert "
+                "slices hold whole packed tensors): its optimizer state cannot be restored. Resume under the "
+                "moe-lab version and strategy that wrote it, or start a new run from its weights "
+                "(model.pretrained=<run>/export method.selection_file=<run>/esft_selection.json)")
         return config
 
     # checkpoints --------------------------------------------------------------------------------
@@ -164,12 +173,15 @@ class ESFTLightningModule(MoELightningModule):
         checkpoint[CHECKPOINT_KEY] = {
             "experts": {int(k): list(v) for k, v in (self.selection or {}).items()},
             "config": dict(self.esft_config),
+            "optimizer_layout": getattr(self, "optimizer_layout", "packed"),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         stored = checkpoint.get(CHECKPOINT_KEY)
         if stored is None:
             raise ValueError("this checkpoint was not written by an ESFT run (no ESFT selection in it)")
+        if checkpoint.get("optimizer_states"):  # checked against this run's layout in configure_optimizers
+            self._resumed_optimizer_layout = stored.get("optimizer_layout", "packed")
         stored_selection = normalize_selection(stored["experts"])
         if self.selection is None:
             self._install(stored_selection, source="checkpoint")

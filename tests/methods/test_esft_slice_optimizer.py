@@ -118,3 +118,26 @@ def test_lightning_clipping_differs_only_by_the_norm_rounding(tmp_path, monkeypa
                 assert torch.equal(param[e], full[name][e]), f"{name}[{e}]"
         bound = 2 * (1e-2 * n * eps + 2 * eps * float(full[name].abs().max()))
         assert float((param - full[name]).abs().max()) <= bound, name
+
+
+def test_a_checkpoint_with_packed_optimizer_state_is_refused_by_name(tmp_path):
+    """A checkpoint written before the optimizer was sliced (no optimizer_layout: whole packed tensors) cannot
+    restore into the sliced optimizer: refused with the way out, not torch's group-size error. A checkpoint of
+    this version round-trips."""
+    def module():
+        return ESFTLightningModule(build_tiny("olmoe"), options={"experts": EXPERTS}, optim={"lr": 1e-2})
+
+    writer = module()
+    writer.configure_optimizers()
+    saved = {"optimizer_states": [{}]}
+    writer.on_save_checkpoint(saved)
+    assert saved["moe_lab_esft"]["optimizer_layout"] == "sliced"
+    reader = module()
+    reader.on_load_checkpoint(saved)
+    reader.configure_optimizers()  # same layout: accepted
+    old = {"optimizer_states": [{}], "moe_lab_esft": {k: v for k, v in saved["moe_lab_esft"].items()
+                                                      if k != "optimizer_layout"}}
+    reader = module()
+    reader.on_load_checkpoint(old)
+    with pytest.raises(ValueError, match="optimizer state for packed expert tensors, but this run steps sliced"):
+        reader.configure_optimizers()
