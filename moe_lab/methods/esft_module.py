@@ -35,6 +35,13 @@ ARTIFACT = "esft_selection.json"
 CHECKPOINT_KEY = "moe_lab_esft"
 
 
+def _flattens_parameters(strategy) -> bool:
+    """FSDP and DeepSpeed hold parameters as flat shards (no per-expert slices to score or to step)."""
+    from ..strategies import strategy_kind
+
+    return strategy_kind(strategy).startswith(("fsdp", "deepspeed"))
+
+
 class ESFTLightningModule(MoELightningModule):
     """ESFT fine-tuning. ``score``: "token" (ESFT-Token) or "gate" (ESFT-Gate); ``p``: cumulative-score
     threshold; ``score_batches``: train batches scored at fit start; ``average``/``normalize``: see
@@ -131,7 +138,7 @@ class ESFTLightningModule(MoELightningModule):
     def _score_training_data(self) -> dict:
         trainer = self.trainer
         strategy = trainer.strategy
-        if any(name in type(strategy).__name__ for name in ("FSDP", "DeepSpeed")):
+        if _flattens_parameters(strategy):
             raise ValueError(f"ESFT cannot score the training data under {type(strategy).__name__} (the model is "
                              "sharded): compute the selection first (moe_lab.esft_scores / a single-device run) "
                              "and pass method.selection_file=<esft_selection.json>")
@@ -154,9 +161,8 @@ class ESFTLightningModule(MoELightningModule):
         """The base module's optimizer, stepping only the trained expert slices (:func:`slice_optimizer`)
         where the strategy keeps whole parameters (not FSDP / DeepSpeed, which flatten them)."""
         config = super().configure_optimizers()
-        strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
-        sliced = not any(name in strategy for name in ("FSDP", "DeepSpeed")) and slice_optimizer(
-            config["optimizer"], self.patch) > 0
+        flattened = self._trainer is not None and _flattens_parameters(self.trainer.strategy)
+        sliced = not flattened and slice_optimizer(config["optimizer"], self.patch) > 0
         self.optimizer_layout = "sliced" if sliced else "packed"
         resumed = getattr(self, "_resumed_optimizer_layout", None)
         if resumed is not None and resumed != self.optimizer_layout:

@@ -141,3 +141,19 @@ def test_a_checkpoint_with_packed_optimizer_state_is_refused_by_name(tmp_path):
     reader.on_load_checkpoint(old)
     with pytest.raises(ValueError, match="optimizer state for packed expert tensors, but this run steps sliced"):
         reader.configure_optimizers()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_flat_sharding_strategies_neither_score_nor_slice(strategy):
+    """FSDP and DeepSpeed flatten parameters: ESFT refuses to score under them, and keeps the packed optimizer."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    module = ESFTLightningModule(build_tiny("olmoe"), options={"experts": EXPERTS}, optim={"lr": 1e-2})
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy() if strategy == "fsdp" else DeepSpeedStrategy(stage=2),
+                                      estimated_stepping_batches=10)
+    with pytest.raises(ValueError, match="ESFT cannot score the training data under"):
+        module._score_training_data()
+    module.configure_optimizers()
+    assert module.optimizer_layout == "packed"
