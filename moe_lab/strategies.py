@@ -37,6 +37,15 @@ def strategy_kind(strategy) -> str:
     return "single"
 
 
+def model_forward(trainer, pl_module):
+    """The callable that runs the LightningModule's HF model outside its training step (probes, forward-only
+    passes): the strategy's FSDP root wrapper under FSDP (whose forward is ``pl_module.forward``: a nested FSDP
+    unit called first takes itself for the root and the next training step fails), else ``pl_module.model``."""
+    if trainer is not None and strategy_kind(trainer.strategy) == "fsdp":
+        return trainer.strategy.model
+    return pl_module.model
+
+
 def zero_stage(strategy) -> int:
     """The ZeRO stage of a DeepSpeed strategy (0 when not DeepSpeed)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy

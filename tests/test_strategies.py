@@ -175,6 +175,23 @@ def test_fsdp_refuses_lora_on_packed_experts_and_expert_slices():
         prepare(SimpleNamespace(strategy=zero3, callbacks=[]), esft)
 
 
+def test_forward_only_passes_go_through_the_fsdp_root():
+    """A probe that called an inner FSDP unit before the root would make it a root (the GPU run's
+    `_is_root` assertion): under FSDP the forward is the strategy's root wrapper, else the HF model."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from moe_lab.strategies import model_forward
+
+    pl_module = SimpleNamespace(model=torch.nn.Linear(2, 2))
+    fsdp, root = FSDPStrategy(), torch.nn.Identity()
+    fsdp.model = root
+    assert model_forward(SimpleNamespace(strategy=fsdp), pl_module) is root
+    assert model_forward(SimpleNamespace(strategy=DDPStrategy()), pl_module) is pl_module.model
+    assert model_forward(None, pl_module) is pl_module.model
+
+
 def test_keep_fp32_buffers_restores_exact_values():
     """DeepSpeed's bf16 engine calls module.bfloat16(); the condenser's fp32 selection biases come back exactly."""
     module = MoELightningModule(build_tiny("olmoe"), "condenser", options={"n": 0})

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from moe_lab.analysis.drift_stats import DRIFT_STATS, RoutingSnapshot, drift_means, drift_sums, snapshot
 from moe_lab.data.packing import is_packed, model_inputs, real_token_mask
+from moe_lab.strategies import model_forward
 
 from ._dense import without_moe_layers
 from ._logging import log_metrics, logging_step
@@ -75,9 +76,11 @@ def _forward_inputs(batch: dict) -> tuple[dict, torch.Tensor | None]:
     return {**inputs, "use_cache": False}, real_token_mask(batch)
 
 
-def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None) -> list[RoutingSnapshot]:
-    """Route ``batches`` through ``pl_module.model`` in eval mode without gradients and return one
-    :class:`RoutingSnapshot` per MoE layer (real tokens of all batches, in order).
+def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None, forward=None
+                    ) -> list[RoutingSnapshot]:
+    """Route ``batches`` through ``pl_module.model`` (called as ``forward``, default the model itself; under
+    FSDP the root wrapper, :func:`moe_lab.strategies.model_forward`) in eval mode without gradients and
+    return one :class:`RoutingSnapshot` per MoE layer (real tokens of all batches, in order).
 
     Every module's training flag is restored afterwards. In eval mode the moe-lab blocks count no routing
     statistics (unless a ``patch.calibration()`` context is open, which this refuses), and methods that
@@ -108,7 +111,7 @@ def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None
         with torch.no_grad(), (forward_context or contextlib.nullcontext)():
             for batch in batches:
                 inputs, mask_box[0] = _forward_inputs(move_data_to_device(batch, device))
-                model(**inputs)
+                (forward or model)(**inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -248,7 +251,8 @@ class RoutingDriftCallback(Callback):
     def _set_baseline(self, trainer, pl_module, batches) -> None:
         patch, _ = _patch_and_model(pl_module)
         self.probe = batches
-        self.baseline = capture_routing(pl_module, batches, trainer.precision_plugin.val_step_context)
+        self.baseline = capture_routing(pl_module, batches, trainer.precision_plugin.val_step_context,
+                                        model_forward(trainer, pl_module))
         self._layer_indices = [layer.index for layer in patch.layers]
 
     def measure(
@@ -259,7 +263,8 @@ class RoutingDriftCallback(Callback):
         ``train_end``: called from ``on_train_end``, where Lightning forbids ``self.log``; the metrics
         then go to the loggers directly and into ``trainer.callback_metrics`` by hand."""
         assert self.baseline is not None and self.probe is not None
-        now = capture_routing(pl_module, self.probe, trainer.precision_plugin.val_step_context)
+        now = capture_routing(pl_module, self.probe, trainer.precision_plugin.val_step_context,
+                              model_forward(trainer, pl_module))
         sums = torch.stack([drift_sums(base, cur) for base, cur in zip(self.baseline, now)])
         device = next(pl_module.parameters()).device
         sums = trainer.strategy.reduce(sums.to(device), reduce_op="sum").detach().cpu()

@@ -8,9 +8,11 @@ output signature.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, stateless
 
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
@@ -64,6 +66,21 @@ class ConventionalRouting:
             self.rule, logits, router.training, getattr(router, "e_score_correction_bias", None)
         )
         return logits, weights, indices
+
+
+def autocast_expert_weights(experts: nn.Module, device_type: str) -> dict[str, torch.Tensor]:
+    """The packed 3-D expert tensors cast to autocast's dtype, when autocast is on for ``device_type`` and they
+    are fp32 master weights; ``{}`` otherwise.
+
+    HF's grouped / batched expert matmuls are not autocast-enabled: under ``bf16-mixed`` with fp32 master
+    weights they cast the activations UP to fp32 and run the experts (most of an MoE's FLOPs) in fp32. Casting
+    the weights (a differentiable ``.to``, so the fp32 parameters get the gradients) runs them in bf16, as
+    autocast does for every ``F.linear``."""
+    if not torch.is_autocast_enabled(device_type):
+        return {}
+    dtype = torch.get_autocast_dtype(device_type)
+    return {name: p.to(dtype) for name, p in experts.named_parameters(recurse=False)
+            if p.dim() == 3 and p.dtype == torch.float32 and dtype != torch.float32}
 
 
 def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
@@ -162,7 +179,9 @@ class MoEBlock(nn.Module):
             with parametrize.cached():
                 out = self.mixer(self, x, logits, weights, indices)
         else:
-            out = self.mixer(self, x, logits, weights, indices)
+            cast = autocast_expert_weights(self.experts, x.device.type)
+            with stateless._reparametrize_module(self.experts, cast) if cast else contextlib.nullcontext():
+                out = self.mixer(self, x, logits, weights, indices)
         if spec.shared_attr is not None:
             if shared is None:
                 shared = getattr(self, spec.shared_attr)(x)

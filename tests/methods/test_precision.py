@@ -36,14 +36,17 @@ def _fit_one_step(model, precision="bf16-mixed", method="sft", **kwargs):
 
 
 def _oracle_step(bf16_model):
-    """The same step by hand: fp32 copies of the parameters, forward/backward under CPU bf16 autocast,
-    torch.optim.AdamW on the copies. Returns (parameters after the step, gradients)."""
+    """The same step by hand: fp32 copies of the parameters, forward/backward under CPU bf16 autocast with the
+    packed expert tensors cast to bf16 as autocast casts every linear weight (HF's grouped expert matmul is not
+    autocast-enabled; moe-lab casts them), torch.optim.AdamW on the copies. Returns (parameters after the step,
+    gradients)."""
     model = copy.deepcopy(bf16_model).train()
     for p in model.parameters():
         p.data = p.data.float()
     opt = torch.optim.AdamW(list(model.parameters()), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    experts = {n: p.to(torch.bfloat16) for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(**random_batch(batch=2, seq=8)).loss
+        loss = torch.func.functional_call(model, experts, kwargs=random_batch(batch=2, seq=8)).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.step()

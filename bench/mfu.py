@@ -1,0 +1,119 @@
+"""bf16 training throughput and model FLOP utilisation (MFU) of each method on one CUDA GPU, beside vanilla HF.
+
+Model: OLMoE-1B-7B's widths (hidden 2048, 64 experts top-8, expert width 1024, 16 heads, vocab 50304) with
+``--layers`` decoder layers (default 4, so optimizer state fits one GPU), random weights. Each method trains
+``--steps`` AdamW steps under bf16 autocast over fp32 master weights (what ``hardware=gpu``'s bf16-mixed does);
+one model at a time, so peak memory is the method's own. MFU = model FLOPs per second / the GPU's dense bf16
+peak, model FLOPs per token = 6 x active parameters (attention projections, router, top-k experts, lm_head)
++ 6 x layers x seq x hidden (causal attention scores and values). DenseMixer's extra forward of the inactive
+experts is not counted as model FLOPs (its MFU is conventional-SFT-equivalent work per second).
+
+    python bench/mfu.py [--layers 4] [--batch 8] [--seq 2048] [--steps 10] [--methods hf,sft,densemixer,...]
+
+Prints one line per method: tokens/s, step time, MFU, peak memory, and the ratio to vanilla HF's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import transformers
+from methods import build, optimizer  # bench/ is on sys.path when run as `python bench/mfu.py`
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def olmoe_config(layers: int, seq: int) -> transformers.OlmoeConfig:
+    return transformers.OlmoeConfig(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        max_position_embeddings=max(4096, seq), norm_topk_prob=False,
+    )
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs of one trained token (forward + backward = 3 x forward, matmuls only)."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    active = layers * (4 * h * h + h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * i) + h * cfg.vocab_size
+    return 6 * active + 6 * layers * seq * h
+
+
+def peak_tflops() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), float("nan"))
+
+
+def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[float, float]:
+    """(median step seconds, peak GiB allocated) of ``steps`` AdamW steps after ``warmup``."""
+    torch.cuda.reset_peak_memory_stats()
+    model = base if method == "hf" else build(method, base)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5) if method == "hf" \
+        else optimizer(model)
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if method != "hf":
+            model.moe_lab_patch.after_optimizer_step()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del opt
+    if method != "hf":
+        del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return statistics.median(times), peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--methods", default="hf,sft,frozen_router,condenser,esft,densemixer,compressed_experts")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/mfu.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    cfg = olmoe_config(args.layers, args.seq)
+    base = transformers.AutoModelForCausalLM.from_config(cfg).cuda().train()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    tokens = args.batch * args.seq
+    model_flops = flops_per_token(cfg, args.seq) * tokens
+    peak = peak_tflops()
+    params = sum(p.numel() for p in base.parameters())
+    print(f"bench=mfu gpu={torch.cuda.get_device_name()} torch={torch.__version__} "
+          f"transformers={transformers.__version__} experts_implementation={base.config._experts_implementation} "
+          f"config=olmoe-widths(h2048,E64,k8,I1024,L{args.layers}) params={params / 1e9:.2f}B "
+          f"batch={args.batch}x{args.seq} steps={args.steps} peak_bf16_tflops={peak}")
+    results = {}
+    for method in args.methods.split(","):
+        try:
+            step, mem = time_method(method, base, batch, args.steps, args.warmup)
+        except Exception as exc:  # noqa: BLE001 - report and go on: one broken method must not hide the others' numbers
+            print(f"method={method} error={type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        results[method] = step
+        ratio = f"{step / results['hf']:.3f}" if "hf" in results else "n/a"
+        print(f"method={method} step_s={step:.4f} tokens_per_s={tokens / step:,.0f} "
+              f"tflops={model_flops / step / 1e12:.1f} mfu={model_flops / step / 1e12 / peak:.3f} "
+              f"peak_mem_gib={mem:.1f} step_ratio_vs_hf={ratio}")
+
+
+if __name__ == "__main__":
+    main()
