@@ -16,6 +16,7 @@ Prints one line per method: tokens/s, step time, MFU, peak memory, and the ratio
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import statistics
 import time
@@ -50,8 +51,10 @@ def peak_tflops() -> float:
 def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[float, float]:
     """(median step seconds, peak GiB allocated) of ``steps`` AdamW steps after ``warmup``."""
     torch.cuda.reset_peak_memory_stats()
-    model = base if method == "hf" else build(method, base)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5) if method == "hf" \
+    vanilla = method.startswith("hf")
+    model = copy.deepcopy(base).to(torch.bfloat16) if method == "hf_bf16_weights" else base if vanilla \
+        else build(method, base)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5) if vanilla \
         else optimizer(model)
     times = []
     for i in range(warmup + steps):
@@ -62,15 +65,13 @@ def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[floa
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if method != "hf":
+        if not vanilla:
             model.moe_lab_patch.after_optimizer_step()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del opt
-    if method != "hf":
-        del model
+    del opt, model
     gc.collect()
     torch.cuda.empty_cache()
     return statistics.median(times), peak
@@ -83,7 +84,7 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--methods", default="hf,sft,frozen_router,condenser,esft,densemixer,compressed_experts")
+    parser.add_argument("--methods", default="hf,hf_bf16_weights,sft,frozen_router,condenser,esft,densemixer,compressed_experts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py needs a CUDA GPU")
