@@ -51,8 +51,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..moe import routing
 from ..moe.experts import expert_forward, expert_intermediate_size
-from ..moe.routing import router_logits, scores_from_logits, select_topk
+from ..moe.routing import router_logits, select_topk
 from ..moe.stats import TokenContext
 from ..moe.view import MoELayerView, find_moe_layers
 
@@ -198,10 +199,8 @@ def model_manifest(model: nn.Module) -> dict:
 
 
 def routing_probabilities(view: MoELayerView, logits: torch.Tensor) -> torch.Tensor:
-    """p_e(t) [N, E] fp32: softmax over all E logits; for sigmoid routers the family's per-expert scores."""
-    if view.rule.score == "sigmoid":
-        return scores_from_logits(view.rule, logits).float()
-    return torch.softmax(logits.float(), dim=-1)
+    """p_e(t) [N, E] fp32: softmax over all E logits; for sigmoid routers the sigmoid affinities."""
+    return routing.routing_probabilities(view.rule, logits)
 
 
 def chunk_size(view: MoELayerView, max_chunk_tokens: int, memory_budget_mb: float) -> int:

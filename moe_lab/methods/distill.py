@@ -23,7 +23,7 @@ import torch
 
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
-from ..distill.teacher import WEIGHT_RULES, load_teacher, widen_teacher
+from ..distill.teacher import load_teacher, weight_rule_name, widen_teacher
 from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
@@ -144,7 +144,7 @@ class KDModule(MoELightningModule):
     ``teacher``: a loaded module, a ``conf/model`` entry or a checkpoint path. ``options``: loss
     (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight (fkl_hidden),
     kd_ratio (weight of the KD term; 1 - kd_ratio on the student's CE on labels), chunk_size (tokens per
-    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw),
+    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | paper_eq6, alias raw),
     teacher_logits (a ``task=teacher_logits`` file: the teacher recorded over this run's batches, per rank and
     split, read through ``RecordedTeacher``, which refuses batches other than the recorded ones; no live teacher).
     ``export_only``: the student alone, neither teacher nor record loaded (to convert or export a checkpoint; a fit
@@ -162,9 +162,7 @@ class KDModule(MoELightningModule):
         self.kd = {**DEFAULTS, **opts}
         if self.kd["loss"] not in LOSSES:
             raise ValueError(f"method.options.loss={self.kd['loss']!r}: choose one of {', '.join(LOSSES)}")
-        if self.kd["teacher_weight_rule"] not in WEIGHT_RULES:
-            raise ValueError(f"method.options.teacher_weight_rule={self.kd['teacher_weight_rule']!r}: choose "
-                             f"{' or '.join(WEIGHT_RULES)}")
+        self.kd["teacher_weight_rule"] = weight_rule_name(self.kd["teacher_weight_rule"])
         if not 0.0 <= float(self.kd["kd_ratio"]) <= 1.0:
             raise ValueError(f"method.options.kd_ratio={self.kd['kd_ratio']} must be in [0, 1]")
         if _has_moe(model):

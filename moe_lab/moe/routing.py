@@ -99,6 +99,15 @@ def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
+def routing_probabilities(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
+    """p_e(t) [N, E] fp32 of the MoE -> dense paper (scores, Eq. 6): the softmax over ALL E router logits
+    (bias included: GPT-OSS's identity-score router too); for sigmoid routers (DeepSeek-V3) the sigmoid
+    affinity of every expert (no correction bias, no renormalisation, no routed scaling)."""
+    if rule.score == "sigmoid":
+        return logits.float().sigmoid()
+    return torch.softmax(logits.float(), dim=-1)
+
+
 def _group_limit(
     rule: RoutingRule, choice: torch.Tensor, scores: torch.Tensor, forced: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
