@@ -24,7 +24,7 @@ from ..eval.perplexity import perplexity
 from .calibration import Calibration
 from .dense import DenseBuilder, check_choice, check_K, plan
 from .grouping import GROUPINGS
-from .merge import SCALINGS
+from .merge import SCALINGS, check_scaling
 from .prune import prune_experts, strategy_counts
 from .scores import METHODS, select_experts
 from .scores import scores as expert_scores
@@ -68,6 +68,10 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
         check_choice("grouping", g, GROUPINGS)
     for s in scalings:
         check_choice("scaling", s, SCALINGS)
+        check_scaling(s, view.rule.normalises_topk, view.rule.scaling)
+    if view.rule.scaling != 1.0:
+        log.info("routed_scaling_factor=%g: uniform / proportional alphas sum to it (the routed mass)",
+                 view.rule.scaling)
     rows, distances = [], {}
     for score in scores:
         score_values = expert_scores(calibration, score, seed=seed)

@@ -51,6 +51,11 @@ class RoutingRule:
     sorted_topk: bool = True
     jitter_eps: float = 0.0
 
+    @property
+    def normalises_topk(self) -> bool:
+        """The top-k weights sum to a constant (``scaling``): renormalised, or a softmax over the top-k."""
+        return self.renormalize or self.softmax_over_topk
+
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
             raise ValueError(f"routing score must be one of {SCORE_FUNCTIONS}, got {self.score!r}")
