@@ -62,14 +62,14 @@ FORMAT_VERSION = 1
 # statistic -> the scores / consumers that read it (used in error messages)
 REQUIRED_BY: dict[str, tuple[str, ...]] = {
     "n": ("all scores",),
-    "count": ("sf", "cp", "acp", "do_cp", "do_acp", "reap", "ean", "fixed gates"),
+    "count": ("sf", "cp", "acp", "do_cp", "do_acp", "reap", "ean_mean", "fixed gates"),
     "p_sum": ("pp",),
     "p_sel": ("ps", "cp", "acp", "do_cp", "do_acp"),
     "w_sel": ("CD-MoE fixed gates",),
     "sq_norm": ("acp", "do_acp"),
     "gram": ("do_cp", "do_acp", "oc grouping", "effective rank"),
     "wnorm_sel": ("reap",),
-    "norm_sel": ("ean",),
+    "norm_sel": ("ean_mean", "ean_sum"),
     "norm_all": ("es_mag (ungated, pooled)",),
     "out_sum": ("mean-output features",),
     "seq_act": ("es_act",),

@@ -296,7 +296,7 @@ def to_dense(model: nn.Module, calibration: Calibration, score: str = "do_acp", 
              seed: int = 0) -> transformers.PreTrainedModel:
     """The dense student of ``model`` (spec 2.1 steps 1-6), a vanilla HF model (``FamilySpec.dense_target``).
 
-    score: sf | pp | ps | cp | acp | do_cp | do_acp | reap | ean | es_act | es_mag | random; grouping:
+    score: sf | pp | ps | cp | acp | do_cp | do_acp | reap | ean_mean (ean) | ean_sum | es_act | es_mag | random; grouping:
     rr | wc | rc | ab | oc; scaling: uniform | proportional | conditional; K in [top_k, num_experts]
     (default top_k, pure pruning). The plan per layer is in ``student.moe_lab_manifest``.
     """

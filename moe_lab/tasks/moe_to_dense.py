@@ -104,6 +104,8 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                                           "compress.export": True}))
     student_dir = Path(converted["export"])
     summary["pre_distill"] = {"student": "converted", "ppl": converted["ppl"], "status": converted["status"]}
+    if "scaling_choice" in converted:  # compress.scaling=best_ppl: the Stage-2 choice and every candidate's ppl
+        summary["scaling_choice"] = converted["scaling_choice"]
     teacher_cfg, method = to_plain(cfg.model), cfg.method.name
     if cfg.compress.init != "converted":  # the baseline's own starting point; the converted one for reference
         student_dir, point = baseline_student(cfg, student_dir, out / "convert" / f"export_{cfg.compress.init}")
