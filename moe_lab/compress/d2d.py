@@ -253,21 +253,23 @@ def count_parameters(config, target: D2DTarget) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def prune_candidates(model: nn.Module, batches: list[dict], targets: dict[str, D2DTarget], evaluate) -> list[dict]:
+def prune_candidates(model: nn.Module, batches: list[dict], targets: dict[str, D2DTarget],
+                     evaluate) -> tuple[list[dict], dict[str, dict]]:
     """Table 13's search: every candidate pruned from one importance pass (layer importance only when some
-    candidate drops layers) and scored by ``evaluate(student) -> {"ppl": ..., "status": ...}``; one row per
-    candidate with its sizes, parameters and perplexity (the caller keeps the lowest finite one)."""
+    candidate drops layers) and scored by ``evaluate(student) -> {"ppl": ..., "status": ...}``. Returns one row
+    per candidate (sizes, parameters, perplexity; the caller keeps the lowest finite one) and its keep plan."""
     importance = activation_importance(model, batches)
     needs_depth = any(t.num_hidden_layers < model.config.num_hidden_layers for t in targets.values())
     layer_scores = layer_importance(model, batches) if needs_depth else None
-    rows = []
+    rows, plans = [], {}
     for name, target in targets.items():
-        student = prune_dense(model, keep_plan(model.config, importance, layer_scores, target), target)
+        plans[name] = keep_plan(model.config, importance, layer_scores, target)
+        student = prune_dense(model, plans[name], target)
         point = evaluate(student)
         rows.append({"candidate": name, **asdict(target), "params": sum(p.numel() for p in student.parameters()),
                      "ppl": point["ppl"], "status": point["status"]})
         del student
-    return rows
+    return rows, plans
 
 
 def best_candidate(rows: list[dict]) -> dict:

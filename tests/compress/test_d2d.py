@@ -114,8 +114,9 @@ def test_layer_importance_is_the_loss_rise_without_that_layer():
 def test_search_keeps_the_lowest_perplexity_and_bad_targets_are_refused():
     teacher, batches = _teacher(), _batches()
     targets = {"width": D2DTarget(3, 24, 32, 2, 1), "depth": D2DTarget(2, 32, 48, 4, 2)}
-    rows = prune_candidates(teacher, batches, targets, lambda m: {"ppl": math.exp(lm_loss(m, batches)),
-                                                                  "status": "ok"})
+    rows, plans = prune_candidates(teacher, batches, targets, lambda m: {"ppl": math.exp(lm_loss(m, batches)),
+                                                                         "status": "ok"})
+    assert len(plans["depth"]["layers"]) == 2 and len(plans["width"]["channels"]) == 24
     assert [r["candidate"] for r in rows] == ["width", "depth"]
     assert best_candidate(rows)["ppl"] == min(r["ppl"] for r in rows)
     with pytest.raises(ValueError, match="num_attention_heads=3 must be a multiple of num_key_value_heads=2"):
@@ -139,3 +140,52 @@ QWEN3_32B = {"vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 256
 def test_table_13_parameter_counts(target, paper):
     """The paper states the query heads; the KV heads that reproduce its parameter counts are 4 / 4 / 8 / 4."""
     assert round(count_parameters(transformers.Qwen3Config(**QWEN3_32B), target) / 1e9, 2) == paper
+
+
+def test_task_d2d_prune_exports_the_lowest_perplexity_candidate(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.data.tokenizer import load_tokenizer
+    from moe_lab.tasks import run_task
+    from tests.conftest import ROOT, word_text
+
+    _teacher().save_pretrained(tmp_path / "teacher")
+    load_tokenizer("byte").save_pretrained(tmp_path / "teacher")
+    train, test = word_text(tmp_path / "train.txt", 40, seed=0, vocab=9), word_text(tmp_path / "test.txt", 4, seed=1,
+                                                                                     vocab=9)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "task=d2d_prune", "model=tiny_qwen3_moe", f"model.pretrained={tmp_path / 'teacher'}",
+            "model.config_class=null", "model.config=null", "model.name=tiny_dense", f"paths.output_dir={tmp_path / 'run'}",
+            "dataset=text", f"compress.calibration.dataset.path={train}", "compress.calibration.num_sequences=4",
+            "compress.calibration.seq_len=16", f"compress.eval.path={test}", "compress.eval.max_length=32",
+            "compress.eval.stride=32",
+            ("+task.candidates.width={num_hidden_layers:3,hidden_size:24,intermediate_size:32,"
+             "num_attention_heads:2,num_key_value_heads:1}"),
+            ("+task.candidates.depth={num_hidden_layers:2,hidden_size:32,intermediate_size:48,"
+             "num_attention_heads:4,num_key_value_heads:2}")])
+    summary = run_task(cfg)
+    rows = {r["candidate"]: r for r in summary["candidates"]}
+    assert summary["chosen"] == min(rows, key=lambda n: rows[n]["ppl"])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(summary["export"])
+    chosen = rows[summary["chosen"]]
+    assert exported.config.hidden_size == chosen["hidden_size"] and exported.num_parameters() == chosen["params"]
+    assert (tmp_path / "run" / "candidates.md").read_text().count("**") == 2
+
+
+def test_preset_holds_table_13_candidates():
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.tasks.d2d_prune import _targets
+    from tests.conftest import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=moe_to_dense/d2d_qwen3_32b"])
+    targets = _targets(cfg.task)
+    assert [(t.num_hidden_layers, t.hidden_size, t.intermediate_size, t.num_attention_heads) for t in targets.values()] \
+        == [(64, 2048, 6144, 8), (64, 1536, 8192, 12), (56, 2048, 6144, 16), (48, 2048, 6144, 16), (40, 2048, 6144, 16)]
+    assert cfg.compress.calibration.num_sequences == 1024 and cfg.model.name == "qwen3_32b"
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        empty = compose("config", overrides=["task=d2d_prune"])
+    with pytest.raises(ValueError, match="task.candidates is empty"):
+        _targets(empty.task)
