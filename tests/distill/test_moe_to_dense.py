@@ -177,3 +177,12 @@ def test_kprime_preset_runs_both_readings_of_the_widened_teacher():
     assert sorted(weight_rule_name(r) for r in rules) == ["family", "paper_eq6"]
     assert (cfg.compress.score, cfg.compress.grouping, cfg.compress.K) == ("do_acp", "rr", 8)
     assert cfg.task.name == "moe_to_dense" and cfg.method.name == "kd"
+
+
+def test_gpt_oss_preset_chooses_its_scaling_by_pre_distill_perplexity():
+    """Sec. 4.6: GPT-OSS renormalises, "so we sweep uniform and proportional"; Stage 2 keeps the lower
+    pre-distillation perplexity (compress.scaling=best_ppl, tested in tests/compress/test_sweep.py)."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=moe_to_dense/gpt_oss_20b"])
+    assert cfg.compress.scaling == "best_ppl"
+    assert list(cfg.compress.scaling_candidates) == ["uniform", "proportional"]
