@@ -305,6 +305,7 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     lines: list[str] = []
     header = ["model", "method", "train", "benchmark", "metric", "paper", "ours", "diff"]
     limited = partial = refused = False
+    constructed: set[str] = set()
     for table in dict.fromkeys(r["table"] for r in rows):
         lines += [f"### {table}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in (r for r in rows if r["table"] == table):
@@ -312,7 +313,9 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
             limited |= bool(mark)
             if r["partial"]:
                 mark, partial = mark + "+", True
-            if r.get("note"):
+            if str(r.get("note") or "").startswith(NOT_REPRODUCIBLE):
+                mark, constructed = mark + "\u00a7", constructed | {r["note"]}
+            elif r.get("note"):
                 mark, refused = mark + "\u2020", True
             cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]),
                      _fmt(r["ours"]) + mark, _fmt(r["diff"], signed=True)]
@@ -325,6 +328,7 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     if refused:
         lines += [("\u2020 not compared: the paper's Avg. is a mean of lm-eval hub tasks, ours of other tasks "
                    "(moe-lab's llm_adapters_* tasks or eval sets); evaluate the paper's hub tasks (hub_tasks=true)"), ""]
+    lines += [f"\u00a7 {note}" for note in sorted(constructed)] + ([""] if constructed else [])
     if any(r["benchmark"] == NORMALISED for r in rows):
         lines += [(f"{NORMALISED}: 100 x the row's mean over its benchmarks / the reference row's mean over the "
                    "same benchmarks (same model), paper and ours apart; n/a where a cell of either is missing"), ""]
@@ -355,6 +359,58 @@ def _alias(text: str) -> tuple[str, str]:
     return ours, paper
 
 
+# ----------------------------------------------------------------------------------------------------
+# Paper cells that no faithful run can reproduce, by construction (a note per cell; collect prints them with §)
+
+NOT_REPRODUCIBLE = "not reproducible by construction: "
+# [P2] Tables 10-12 / compression spec 2.13: at K = k the paper's SF, PP, PS and CP rows differ between AB / OC and
+# RR, although its text says grouping is irrelevant at K = k (every group a singleton); ACP, DO-CP and DO-ACP agree
+K_EQUALS_K_DIFFERS = {"scores": ("sf", "pp", "ps", "cp"), "groupings": ("ab", "oc")}
+
+
+def _model_top_k(model: str) -> int | None:
+    """``num_experts_per_tok`` of ``conf/model/<model>.yaml`` (its typed-in ``architecture``), None if unknown."""
+    path = PAPERS_DIR.parent / "conf" / "model" / f"{model}.yaml"
+    if not path.is_file():
+        return None
+    arch = OmegaConf.load(path).get("architecture") or {}
+    k = arch.get("num_experts_per_tok")
+    return None if k is None else int(k)
+
+
+def moe_to_dense_construction_note(cell: dict) -> str | None:
+    """MoE -> dense [P2]: a K = k cell of an AB / OC grouping with an SF / PP / PS / CP score. moe-lab follows the
+    paper's text (K = k: singleton groups, the grouping is irrelevant, the student is the RR one), while the
+    paper's tables give these cells other numbers (Table 3's "MC-SMoE metrics" SF x AB K = 8: pre-distill PPL
+    11,668; the same student is SF x RR, 21,074)."""
+    knobs = dict(part.split("=", 1) for part in cell.get("eval", "").split(";") if "=" in part)
+    if knobs.get("score") not in K_EQUALS_K_DIFFERS["scores"] or knobs.get("grouping") not in \
+            K_EQUALS_K_DIFFERS["groupings"] or "K" not in knobs:
+        return None
+    k = _model_top_k(cell["model"])
+    if k is None or int(knobs["K"]) != k:
+        return None
+    return (f"{NOT_REPRODUCIBLE}K = k = {k}: every group is one expert, so the paper's text makes "
+            f"{knobs['grouping'].upper()} the RR student, yet its tables give this cell another value")
+
+
+CONSTRUCTION_NOTES = {"moe_to_dense": moe_to_dense_construction_note}
+
+
+def flag_not_reproducible(paper: str, rows: list[dict], reported: list[dict]) -> list[dict]:
+    """``rows`` with the ``CONSTRUCTION_NOTES`` of ``paper`` in their ``note`` (the difference withheld: it would
+    measure the paper's construction, not ours)."""
+    rule = CONSTRUCTION_NOTES.get(paper)
+    if rule is None:
+        return rows
+    notes = {(c["table"], c["paper_model"], c["paper_row"]): rule(c) for c in reported}
+    out = []
+    for row in rows:
+        note = notes.get((row["table"], row["model"], row["method"]))
+        out.append({**row, "note": note, "diff": None} if note else row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.collect", description=__doc__.split("\n")[0])
     parser.add_argument("paper", help=f"one of: {', '.join(papers())}")
@@ -374,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, unmatched = compare(reported, ours, all_tables=args.all, hub_average=args.paper in HUB_AVERAGES,
                               normalise_to=NORMALISE.get(args.paper))
+    rows = flag_not_reproducible(args.paper, rows, reported)
     markdown = to_markdown(rows, unmatched)
     if args.out:
         write_outputs(Path(args.out), rows, markdown)

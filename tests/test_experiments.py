@@ -79,6 +79,10 @@ COMPRESSION = {
     "moe_to_dense/qwen3_30b_a3b": dict(KD_RECIPE, model="Qwen/Qwen3-30B-A3B", K=8),  # best Table-12 cell K
     "moe_to_dense/deepseek_v2_lite": dict(KD_RECIPE, model=DSV2, K=6),
     "moe_to_dense/gpt_oss_20b": dict(KD_RECIPE, model="openai/gpt-oss-20b", K=4),
+    "moe_to_dense/qwen3_30b_a3b_kprime": dict(KD_RECIPE, model="Qwen/Qwen3-30B-A3B", K=8),  # Table 4 sweep
+    # D2D baseline (App. M): Table 13's search on 1,024 WikiText-103 samples, then the same KD recipe
+    "moe_to_dense/d2d_qwen3_32b": {"model": "Qwen/Qwen3-32B", "d2d": "prune", "calib": (1024, 2048)},
+    "moe_to_dense/d2d_distill_qwen3_32b": dict(KD_RECIPE, model="Qwen/Qwen3-32B", d2d="distill"),
     # CD-MoE: S keeps no routed expert, SR keeps the active routed count (DeepSeek 6, Qwen1.5 4); C4 search data
     # 100 documents x 256 tokens (CD-code); layer counts of the paper's main rows
     "condense/deepseek_moe_s": {"model": DSV2, "routed": 0, "layers": 8},
@@ -148,6 +152,11 @@ def test_compression_preset_carries_the_papers_values(preset):
             assert (code.task.optim.lr, code.task.scheduler.name, code.task.trainer.max_epochs) == (1e-5, "linear", 1)
             assert (lm.path, lm.block_size, lm.batch_size, lm.num_blocks) == ("allenai/c4", 256, 8, 10000)
         return
+    if want.get("d2d") == "prune":
+        assert cfg.model.pretrained == want["model"] and cfg.task.name == "d2d_prune"
+        assert (cfg.compress.calibration.num_sequences, cfg.compress.calibration.seq_len) == want["calib"]
+        assert len(cfg.task.candidates) == 5
+        return
     task, data = cfg.task, cfg.dataset
     assert cfg.hydra.runtime.choices.method == "kd" and cfg.method.options.loss == want["loss"]
     assert cfg.hydra.runtime.choices.dataset == "fineweb_edu" and data.block_size == want["block"]
@@ -157,6 +166,9 @@ def test_compression_preset_carries_the_papers_values(preset):
     assert list(task.optim.betas) == want["betas"]
     s = task.scheduler
     assert (s.name, s.warmup_steps, s.min_lr_ratio) == (want["schedule"], want["warmup_steps"], want["min_lr_ratio"])
+    if want.get("d2d") == "distill":  # the pruned student from its dense teacher: no conversion
+        assert cfg.method.teacher.pretrained == want["model"] and cfg.task.name == "finetune"
+        return
     assert (cfg.compress.score, cfg.compress.grouping, cfg.compress.K) == ("do_acp", "rr", want["K"])
     assert (cfg.compress.calibration.num_sequences, cfg.compress.calibration.seq_len) == want["calib"]
 

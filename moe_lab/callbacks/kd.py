@@ -22,7 +22,7 @@ from ._logging import log_metrics, logging_step
 log = logging.getLogger(__name__)
 
 NAMES = {"kl": "kd/kl", "div": "kd/divergence", "top1": "kd/top1_agreement", "hidden": "kd/hidden_mse",
-         "ce": "kd/ce"}
+         "hidden_weight": "kd/hidden_weight", "ce": "kd/ce"}
 
 
 class KDLayerKL(L.Callback):

@@ -51,8 +51,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..moe import routing
 from ..moe.experts import expert_forward, expert_intermediate_size
-from ..moe.routing import router_logits, scores_from_logits, select_topk
+from ..moe.routing import router_logits, select_topk
 from ..moe.stats import TokenContext
 from ..moe.view import MoELayerView, find_moe_layers
 
@@ -61,14 +62,14 @@ FORMAT_VERSION = 1
 # statistic -> the scores / consumers that read it (used in error messages)
 REQUIRED_BY: dict[str, tuple[str, ...]] = {
     "n": ("all scores",),
-    "count": ("sf", "cp", "acp", "do_cp", "do_acp", "reap", "ean", "fixed gates"),
+    "count": ("sf", "cp", "acp", "do_cp", "do_acp", "reap", "ean_mean", "fixed gates"),
     "p_sum": ("pp",),
     "p_sel": ("ps", "cp", "acp", "do_cp", "do_acp"),
     "w_sel": ("CD-MoE fixed gates",),
     "sq_norm": ("acp", "do_acp"),
     "gram": ("do_cp", "do_acp", "oc grouping", "effective rank"),
     "wnorm_sel": ("reap",),
-    "norm_sel": ("ean",),
+    "norm_sel": ("ean_mean", "ean_sum"),
     "norm_all": ("es_mag (ungated, pooled)",),
     "out_sum": ("mean-output features",),
     "seq_act": ("es_act",),
@@ -198,10 +199,8 @@ def model_manifest(model: nn.Module) -> dict:
 
 
 def routing_probabilities(view: MoELayerView, logits: torch.Tensor) -> torch.Tensor:
-    """p_e(t) [N, E] fp32: softmax over all E logits; for sigmoid routers the family's per-expert scores."""
-    if view.rule.score == "sigmoid":
-        return scores_from_logits(view.rule, logits).float()
-    return torch.softmax(logits.float(), dim=-1)
+    """p_e(t) [N, E] fp32: softmax over all E logits; for sigmoid routers the sigmoid affinities."""
+    return routing.routing_probabilities(view.rule, logits)
 
 
 def chunk_size(view: MoELayerView, max_chunk_tokens: int, memory_budget_mb: float) -> int:

@@ -11,6 +11,7 @@ architecture named by the family registry (``FamilySpec.dense_target``).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,13 @@ from ..moe.experts import expert_intermediate_size
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
 from .calibration import Calibration
 from .grouping import GROUPINGS, clustering_distance, group_experts, rank
-from .merge import SCALINGS, merge_coefficients, merge_group, scaling_coefficients
+from .merge import SCALINGS, check_scaling, merge_coefficients, merge_group, scaling_coefficients
 from .scores import DOPT_METHODS, select_experts
 from .scores import scores as expert_scores
 
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")  # the HF gated-MLP convention of every dense target
 MANIFEST_FILE = "compress_manifest.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +100,7 @@ def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", g
     check_K(K, k, E)
     check_choice("grouping", grouping, GROUPINGS)
     check_choice("scaling", scaling, SCALINGS)
+    check_scaling(scaling, views[0].rule.normalises_topk, views[0].rule.scaling)
     check_choice("order", order, ("score", "greedy"))
     if score_values is None:
         score_values = expert_scores(calibration, score, seed=seed)
@@ -293,7 +296,7 @@ def to_dense(model: nn.Module, calibration: Calibration, score: str = "do_acp", 
              seed: int = 0) -> transformers.PreTrainedModel:
     """The dense student of ``model`` (spec 2.1 steps 1-6), a vanilla HF model (``FamilySpec.dense_target``).
 
-    score: sf | pp | ps | cp | acp | do_cp | do_acp | reap | ean | es_act | es_mag | random; grouping:
+    score: sf | pp | ps | cp | acp | do_cp | do_acp | reap | ean_mean (ean) | ean_sum | es_act | es_mag | random; grouping:
     rr | wc | rc | ab | oc; scaling: uniform | proportional | conditional; K in [top_k, num_experts]
     (default top_k, pure pruning). The plan per layer is in ``student.moe_lab_manifest``.
     """
@@ -302,8 +305,12 @@ def to_dense(model: nn.Module, calibration: Calibration, score: str = "do_acp", 
                  lam=lam, seed=seed)
     builder = DenseBuilder(model)
     student = builder.write(plans)
+    routed_scaling = float(builder.views[0].rule.scaling)
+    if scaling != "conditional" and routed_scaling != 1.0:
+        log.info("compress.scaling=%s scaled by the router's routed_scaling_factor=%g: the alphas sum to the "
+                 "routed mass %g, not 1", scaling, routed_scaling, routed_scaling)
     knobs = {"score": score, "grouping": grouping, "scaling": scaling, "K": K or builder.views[0].top_k,
-             "order": order, "lam": lam, "seed": seed}
+             "order": order, "lam": lam, "seed": seed, "routed_scaling": routed_scaling}
     student.moe_lab_manifest = manifest(calibration, knobs, plans)
     return student
 

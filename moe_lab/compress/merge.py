@@ -41,6 +41,22 @@ def merge_group(
     return out
 
 
+def check_scaling(method: str, normalises_topk: bool, routed_scaling: float = 1.0) -> None:
+    """Refuse ``conditional`` scaling for a router whose top-k weights are renormalised (spec 2.7: the paper
+    uses it only for DeepSeek-V2-Lite, which does not renormalise): CP averages the probability p before
+    renormalisation, while such a router applies p / sum_topk p (x routed_scaling), so routed_scaling x mean CP
+    is not the mass it routes (DeepSeek-V3: about 9 against 2.5)."""
+    if method not in SCALINGS:
+        raise ValueError(f"compress.scaling={method!r}: choose one of {', '.join(SCALINGS)}")
+    if method == "conditional" and normalises_topk:
+        raise ValueError(
+            "compress.scaling=conditional is for routers that do not renormalise their top-k weights (the paper's "
+            "DeepSeek-V2-Lite): this router renormalises them to sum to routed_scaling_factor="
+            f"{routed_scaling:g}, so the mean conditional probability (taken before renormalisation) is not the "
+            "weight it applies; use compress.scaling=uniform or proportional (both scaled to sum to "
+            f"{routed_scaling:g})")
+
+
 def scaling_coefficients(
     method: str,
     groups: Sequence[Sequence[int]],
@@ -51,16 +67,19 @@ def scaling_coefficients(
 ) -> torch.Tensor:
     """fp64 down-projection scales alpha_g per group (spec 2.7).
 
-    uniform: 1/k. proportional: S_g / sum of the scores of all selected experts (uniform when that sum is 0).
-    conditional: routed_scaling * mean CP of the group's members (for families that do not renormalise).
+    uniform: routed_scaling / k. proportional: routed_scaling * S_g / sum of the scores of all selected experts
+    (uniform when that sum is 0). Both sum to routed_scaling, the routed mass of a renormalising router (1 for
+    Qwen3 / GPT-OSS, as the paper; 2.5 for DeepSeek-V3). conditional: routed_scaling * mean CP of the group's
+    members (for families that do not renormalise).
     """
+    scale = float(routed_scaling)
     if method == "uniform":
-        return torch.full((len(groups),), 1.0 / k, dtype=torch.float64)
+        return torch.full((len(groups),), scale / k, dtype=torch.float64)
     if method == "proportional":
         s = scores.detach().double().cpu()
         mass = torch.stack([s[list(g)].sum() for g in groups])
         total = mass.sum()
-        return mass / total if total > 0 else torch.full_like(mass, 1.0 / len(groups))
+        return scale * (mass / total if total > 0 else torch.full_like(mass, 1.0 / len(groups)))
     if method == "conditional":
         if cp is None:
             raise ValueError("compress.scaling=conditional needs the CP score (count and p_sel statistics)")

@@ -2,7 +2,8 @@
 
 ``scores(calibration, method, **kw) -> {layer: float64 [E]}``; ``select_experts(calibration, method, K, **kw)
 -> {layer: int64 [K]}`` in ranked order (D-optimal methods: the greedy's addition order).
-Methods: sf, pp, ps, cp, acp, do_cp, do_acp, reap, ean, es_act, es_mag, random.
+Methods: sf, pp, ps, cp, acp, do_cp, do_acp, reap, ean_mean (alias ean), ean_sum, es_act, es_mag, random.
+The EAN pair is REAP's (its public code): ``ean_mean`` = norm_sel / count, ``ean_sum`` = norm_sel.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ def _reap(stats, top_k, **_):
     return _safe_div(stats["wnorm_sel"], stats["count"])
 
 
-def _ean(stats, top_k, **_):
+def _ean_mean(stats, top_k, **_):
+    """REAP's ``ean_mean``: mean ||f_e|| over the tokens routed to e (0 if never routed)."""
     return _safe_div(stats["norm_sel"], stats["count"])
+
+
+def _ean_sum(stats, top_k, **_):
+    """REAP's ``ean_sum``: sum of ||f_e|| over the tokens routed to e (favours frequently routed experts)."""
+    return stats["norm_sel"].double()
 
 
 def _num_seqs(stats) -> float:
@@ -88,7 +95,9 @@ METHODS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "do_cp": (_cp, ("n", "count", "p_sel", "gram")),
     "do_acp": (_acp, ("n", "count", "p_sel", "sq_norm", "gram")),
     "reap": (_reap, ("count", "wnorm_sel")),
-    "ean": (_ean, ("count", "norm_sel")),
+    "ean": (_ean_mean, ("count", "norm_sel")),  # = ean_mean (the earlier name)
+    "ean_mean": (_ean_mean, ("count", "norm_sel")),
+    "ean_sum": (_ean_sum, ("norm_sel",)),
     "es_act": (_es_act, ("seq_act", "num_seqs")),
     "es_mag": (_es_mag, ("num_seqs",)),
     "random": (None, ()),

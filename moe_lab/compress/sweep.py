@@ -21,16 +21,18 @@ import pandas as pd
 from torch import nn
 
 from ..eval.perplexity import perplexity
+from ..moe.view import find_moe_layers
 from .calibration import Calibration
 from .dense import DenseBuilder, check_choice, check_K, plan
 from .grouping import GROUPINGS
-from .merge import SCALINGS
+from .merge import SCALINGS, check_scaling
 from .prune import prune_experts, strategy_counts
 from .scores import METHODS, select_experts
 from .scores import scores as expert_scores
 
 log = logging.getLogger(__name__)
 PAPER_SCORES = ("sf", "pp", "ps", "cp", "acp", "do_cp", "do_acp")
+BEST_PPL = "best_ppl"  # compress.scaling: choose among compress.scaling_candidates by pre-distillation ppl
 
 
 def ppl_point(model: nn.Module, tokenizer, ids: Sequence[int], max_length: int, stride: int,
@@ -68,6 +70,10 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
         check_choice("grouping", g, GROUPINGS)
     for s in scalings:
         check_choice("scaling", s, SCALINGS)
+        check_scaling(s, view.rule.normalises_topk, view.rule.scaling)
+    if view.rule.scaling != 1.0:
+        log.info("routed_scaling_factor=%g: uniform / proportional alphas sum to it (the routed mass)",
+                 view.rule.scaling)
     rows, distances = [], {}
     for score in scores:
         score_values = expert_scores(calibration, score, seed=seed)
@@ -96,6 +102,29 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
                     if progress is not None:
                         progress(point)
     return pd.DataFrame(rows)
+
+
+def choose_scaling(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequence[int], *, score: str,
+                   grouping: str, K: int | None, candidates: Sequence[str] = ("uniform", "proportional"),
+                   **kw) -> tuple[str, dict[str, dict]]:
+    """The paper's Stage 2 for one (score, grouping, K): the scaling among ``candidates`` whose student has the
+    lowest pre-distillation perplexity on ``ids`` (ties: the first candidate). Returns ``(chosen, {scaling:
+    {ppl, status}})``; refuses when no candidate gives a finite perplexity. ``kw``: :func:`dense_sweep`'s."""
+    if not candidates:
+        raise ValueError("compress.scaling=best_ppl needs compress.scaling_candidates (e.g. [uniform, proportional])")
+    Ks = None if K is None else [int(K)]
+    if Ks is None:
+        Ks = [find_moe_layers(model)[0].top_k]
+    points = dense_sweep(model, tokenizer, calibration, ids, scores=[score], groupings=[grouping],
+                         scalings=list(candidates), Ks=Ks, **kw)
+    found = {row.scaling: {"ppl": float(row.ppl), "status": row.status} for row in points.itertuples()}
+    finite = [s for s in candidates if math.isfinite(found[s]["ppl"])]
+    if not finite:
+        raise ValueError(f"compress.scaling=best_ppl: no candidate scaling gives a finite perplexity ({found})")
+    chosen = min(finite, key=lambda s: found[s]["ppl"])
+    log.info("compress.scaling=best_ppl chose %s (%s)", chosen,
+             ", ".join(f"{s} {found[s]['ppl']:.4g}" for s in candidates))
+    return chosen, found
 
 
 def _powers(k: int, E: int) -> list[int]:
@@ -236,8 +265,6 @@ def prune_study(model: nn.Module, tokenizer, calibration: Calibration | None, id
 
 
 def _counts(model) -> tuple[int, int]:
-    from ..moe.view import find_moe_layers
-
     view = find_moe_layers(model)[0]
     return view.num_experts, view.top_k
 

@@ -277,9 +277,16 @@ def chunked_head_kd(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, 
     return _FusedChunks.apply(hs, ht, keep, flat_labels, setup, *params)
 
 
+HIDDEN_LAYER_REDUCTIONS = ("mean", "sum")
+
+
 def hidden_mse_sum(student_states: list[torch.Tensor], teacher_states: list[torch.Tensor],
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum over layers and real tokens of the per-token mean squared error over hidden units (fp32)."""
+                   mask: torch.Tensor | None = None, layers: str = "mean") -> torch.Tensor:
+    """Sum over real tokens of the per-token mean squared error over hidden units (fp32), averaged over the
+    decoder layers (``layers="mean"``: one layer's scale whatever the depth; Minitron's intermediate loss is the
+    mean over its layer pairs) or summed over them (``"sum"``)."""
+    if layers not in HIDDEN_LAYER_REDUCTIONS:
+        raise ValueError(f"hidden MSE layers={layers!r}: choose one of {', '.join(HIDDEN_LAYER_REDUCTIONS)}")
     if len(student_states) != len(teacher_states):
         raise ValueError(f"hidden MSE: student has {len(student_states)} decoder layers, teacher "
                          f"{len(teacher_states)}: fkl_hidden needs equal layer counts (use loss=forward_kl)")
@@ -292,4 +299,4 @@ def hidden_mse_sum(student_states: list[torch.Tensor], teacher_states: list[torc
         keep = _mask(mask, s.shape[0], s.device)
         term = ((s[keep] - t[keep]) ** 2).mean(-1).sum()
         total = term if total is None else total + term
-    return total
+    return total / len(student_states) if layers == "mean" else total

@@ -8,9 +8,23 @@ import torch
 from torch import nn
 
 from ..moe.block import ConventionalRouting
-from ..moe.routing import scores_from_logits, select_topk
+from ..moe.routing import routing_probabilities, select_topk
 
-WEIGHT_RULES = ("family", "raw")
+# the top-k' expert weights of a widened teacher: ``family`` (the family's own weight rule on the k'-set, so k' = k
+# is the teacher; renormalising routers renormalise over the k' experts) | ``paper_eq6`` (the paper's Eq. 6: p of
+# every expert of the k'-set, p = softmax over ALL E logits, sigmoid affinity for sigmoid routers; no
+# renormalisation, no routed scaling). ``raw`` is the earlier name of ``paper_eq6``.
+WEIGHT_RULES = ("family", "paper_eq6")
+WEIGHT_RULE_ALIASES = {"raw": "paper_eq6"}
+
+
+def weight_rule_name(rule: str) -> str:
+    """The canonical name of a widened teacher's weight rule (``raw`` -> ``paper_eq6``); others refused."""
+    rule = WEIGHT_RULE_ALIASES.get(rule, rule)
+    if rule not in WEIGHT_RULES:
+        raise ValueError(f"method.options.teacher_weight_rule={rule!r}: choose family (the family's weight rule on "
+                         "the k'-set) or paper_eq6 (alias raw: the paper's Eq. 6, p over all E experts)")
+    return rule
 
 
 def load_teacher(teacher) -> nn.Module:
@@ -35,19 +49,20 @@ def load_teacher(teacher) -> nn.Module:
 
 class WidenedRouting(ConventionalRouting):
     """The family's routing with the top-k' experts: ``family`` applies the family's weight rule to the k'-set
-    (k' = k is the teacher exactly); ``raw`` uses the raw scores p of the k'-set (the paper's Eq. 6)."""
+    (k' = k is the teacher exactly); ``paper_eq6`` (alias ``raw``) weights each of them by p, the routing
+    probability over all E experts (``routing.routing_probabilities``), as the paper's Eq. 6 writes."""
 
     def __init__(self, view, top_k: int, weight_rule: str = "family"):
         super().__init__(view)
         self.top_k = int(top_k)
-        self.weight_rule = weight_rule
+        self.weight_rule = weight_rule_name(weight_rule)
 
     def __call__(self, router: nn.Module, x: torch.Tensor):
         logits = self.logits(router, x)
         weights, indices = select_topk(self.rule, logits, router.training,
                                        getattr(router, "e_score_correction_bias", None), top_k=self.top_k)
-        if self.weight_rule == "raw":
-            weights = scores_from_logits(self.rule, logits).gather(1, indices).to(weights.dtype)
+        if self.weight_rule == "paper_eq6":
+            weights = routing_probabilities(self.rule, logits).gather(1, indices).to(weights.dtype)
         return logits, weights, indices
 
 
@@ -59,8 +74,7 @@ def widen_teacher(teacher: nn.Module, top_k: int, weight_rule: str = "family"):
     if teacher.config.model_type not in supported_families():
         raise ValueError(f"method.options.teacher_top_k={top_k} widens an MoE teacher's routing, but the teacher is "
                          f"a dense {teacher.config.model_type!r} model: set method.options.teacher_top_k=null")
-    if weight_rule not in WEIGHT_RULES:
-        raise ValueError(f"method.options.teacher_weight_rule={weight_rule!r}: choose family or raw")
+    weight_rule = weight_rule_name(weight_rule)
     patch = apply(teacher, "sft")
     for view, block in zip(patch.views, patch.layers):
         if not 1 <= int(top_k) <= view.num_experts:

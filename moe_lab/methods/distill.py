@@ -23,7 +23,7 @@ import torch
 
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
-from ..distill.teacher import WEIGHT_RULES, load_teacher, widen_teacher
+from ..distill.teacher import load_teacher, weight_rule_name, widen_teacher
 from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
@@ -34,7 +34,13 @@ log = logging.getLogger(__name__)
 
 LOSSES = {"forward_kl": "forward_kl", "fkl": "forward_kl", "reverse_kl": "reverse_kl", "rkl": "reverse_kl",
           "jsd": "jsd", "fkl_hidden": "forward_kl"}
-DEFAULTS = {"loss": "forward_kl", "temperature": 1.0, "beta": 0.5, "hidden_weight": 1.0, "kd_ratio": 1.0,
+# fkl_hidden's hidden-state term (A2-10; the paper gives no weight): ``balanced`` (Minitron as NVIDIA's
+# Megatron-LM implements it, LogitsAndIntermediatesLossBalancer: the layer-mean MSE rescaled every micro-batch by
+# the detached ratio KD term / MSE, so it starts and stays equal in value to the KD term, times hidden_weight) |
+# ``layer_mean`` (hidden_weight x the layer-mean MSE) | ``layer_sum`` (hidden_weight x the MSE summed over layers).
+HIDDEN_NORMS = ("balanced", "layer_mean", "layer_sum")
+DEFAULTS = {"loss": "forward_kl", "temperature": 1.0, "beta": 0.5, "hidden_weight": 1.0, "hidden_norm": "balanced",
+            "kd_ratio": 1.0,
             "chunk_size": 1024, "teacher_top_k": None, "teacher_weight_rule": "family", "teacher_logits": None}
 
 
@@ -138,13 +144,28 @@ def loss_scale(strategy, accumulate: int, world_size: int) -> float:
     return float(c)
 
 
+PER_BATCH = ("hidden_weight",)  # kd_sums entries that are not token sums (logged as they are)
+
+
+def hidden_term_weight(norm: str, weight: float, kd_sum: torch.Tensor, mse_sum: torch.Tensor):
+    """The multiplier of the hidden MSE token sum: ``weight`` (layer_mean / layer_sum) or, ``balanced``,
+    ``weight * kd_sum / mse_sum`` (both detached; ``weight`` when the MSE is 0), the weighted term then equal in
+    value to ``weight`` x the KD term."""
+    if norm != "balanced":
+        return weight
+    if float(mse_sum) <= 0.0:
+        return weight
+    return weight * (kd_sum / mse_sum)
+
+
 class KDModule(MoELightningModule):
     """Distil ``model`` (student, all parameters trainable) from ``teacher`` (frozen, eval, no gradients).
 
     ``teacher``: a loaded module, a ``conf/model`` entry or a checkpoint path. ``options``: loss
-    (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight (fkl_hidden),
+    (forward_kl | reverse_kl | jsd | fkl_hidden), temperature, beta (jsd), hidden_weight / hidden_norm (fkl_hidden:
+    balanced | layer_mean | layer_sum, see ``HIDDEN_NORMS``),
     kd_ratio (weight of the KD term; 1 - kd_ratio on the student's CE on labels), chunk_size (tokens per
-    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | raw),
+    lm-head chunk), teacher_top_k (k', null = the teacher's k), teacher_weight_rule (family | paper_eq6, alias raw),
     teacher_logits (a ``task=teacher_logits`` file: the teacher recorded over this run's batches, per rank and
     split, read through ``RecordedTeacher``, which refuses batches other than the recorded ones; no live teacher).
     ``export_only``: the student alone, neither teacher nor record loaded (to convert or export a checkpoint; a fit
@@ -162,9 +183,10 @@ class KDModule(MoELightningModule):
         self.kd = {**DEFAULTS, **opts}
         if self.kd["loss"] not in LOSSES:
             raise ValueError(f"method.options.loss={self.kd['loss']!r}: choose one of {', '.join(LOSSES)}")
-        if self.kd["teacher_weight_rule"] not in WEIGHT_RULES:
-            raise ValueError(f"method.options.teacher_weight_rule={self.kd['teacher_weight_rule']!r}: choose "
-                             f"{' or '.join(WEIGHT_RULES)}")
+        self.kd["teacher_weight_rule"] = weight_rule_name(self.kd["teacher_weight_rule"])
+        if self.kd["hidden_norm"] not in HIDDEN_NORMS:
+            raise ValueError(f"method.options.hidden_norm={self.kd['hidden_norm']!r}: choose one of "
+                             f"{', '.join(HIDDEN_NORMS)}")
         if not 0.0 <= float(self.kd["kd_ratio"]) <= 1.0:
             raise ValueError(f"method.options.kd_ratio={self.kd['kd_ratio']} must be in [0, 1]")
         if _has_moe(model):
@@ -314,9 +336,12 @@ class KDModule(MoELightningModule):
             kd_weight=ratio, ce_weight=1.0 - ratio)
         out = {"div": div, "top1": top1, "tokens": mask.sum(), "ce": ce}
         if hidden:
-            mse = hidden_mse_sum(rec_s.states, rec_t.states, mask)
-            loss = loss + float(self.kd["hidden_weight"]) * mse
+            norm = self.kd["hidden_norm"]
+            mse = hidden_mse_sum(rec_s.states, rec_t.states, mask, layers="sum" if norm == "layer_sum" else "mean")
+            weight = hidden_term_weight(norm, float(self.kd["hidden_weight"]), ratio * div.detach(), mse.detach())
+            loss = loss + weight * mse
             out["hidden"] = mse.detach()
+            out["hidden_weight"] = weight.detach() if torch.is_tensor(weight) else torch.tensor(weight)
         out["loss"] = loss
         if self.kind == "forward_kl" and float(self.kd["temperature"]) == 1.0:
             out["kl"] = out["div"]
@@ -372,7 +397,8 @@ class KDModule(MoELightningModule):
     def _step(self, batch, stage: str):
         sums = self.kd_sums(batch)
         n = sums["tokens"].clamp(min=1).float()
-        self.kd_stats = {k: (v.float() / n).item() for k, v in sums.items() if k not in ("loss", "tokens")}
+        self.kd_stats = {k: (v.float() if k in PER_BATCH else v.float() / n).item() for k, v in sums.items()
+                         if k not in ("loss", "tokens")}
         if stage == "train":
             self._window_sum += float(sums["loss"].detach())
             self._window_tokens += int(sums["tokens"])

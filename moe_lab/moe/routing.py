@@ -51,6 +51,11 @@ class RoutingRule:
     sorted_topk: bool = True
     jitter_eps: float = 0.0
 
+    @property
+    def normalises_topk(self) -> bool:
+        """The top-k weights sum to a constant (``scaling``): renormalised, or a softmax over the top-k."""
+        return self.renormalize or self.softmax_over_topk
+
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
             raise ValueError(f"routing score must be one of {SCORE_FUNCTIONS}, got {self.score!r}")
@@ -97,6 +102,15 @@ def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
         return logits
     # sparsemixer's dense scores are the softmax over all experts
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def routing_probabilities(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
+    """p_e(t) [N, E] fp32 of the MoE -> dense paper (scores, Eq. 6): the softmax over ALL E router logits
+    (bias included: GPT-OSS's identity-score router too); for sigmoid routers (DeepSeek-V3) the sigmoid
+    affinity of every expert (no correction bias, no renormalisation, no routed scaling)."""
+    if rule.score == "sigmoid":
+        return logits.float().sigmoid()
+    return torch.softmax(logits.float(), dim=-1)
 
 
 def _group_limit(

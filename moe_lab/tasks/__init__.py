@@ -63,6 +63,8 @@ TASKS["offload"] = _analysis("offload", "offload_task")
 TASKS["moe_to_dense"] = _analysis("moe_to_dense", "moe_to_dense")
 TASKS["teacher_logits"] = _analysis("teacher_logits", "teacher_logits_task")
 TASKS["expert_removal"] = _analysis("expert_removal", "expert_removal_task")
+TASKS["dense_diagnostics"] = _analysis("dense_diagnostics", "dense_diagnostics_task")
+TASKS["d2d_prune"] = _analysis("d2d_prune", "d2d_prune_task")
 
 
 def run_task(cfg):

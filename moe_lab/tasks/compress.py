@@ -15,6 +15,8 @@ from ..compress.calibration import Calibration
 from ..compress.dense import export_compressed, to_dense
 from ..compress.prune import prune_experts, strategy_counts
 from ..compress.sweep import (
+    BEST_PPL,
+    choose_scaling,
     dense_sweep,
     grid_markdown,
     grid_table,
@@ -81,7 +83,14 @@ def compress(cfg: DictConfig) -> dict:
         if c.sweep:
             summary.update(_dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out))
         else:
-            student = to_dense(model, calibration, score=c.score, grouping=c.grouping, scaling=c.scaling,
+            scaling = c.scaling
+            if scaling == BEST_PPL:  # the paper's Stage 2: the candidate with the lowest pre-distillation ppl
+                scaling, found = choose_scaling(model, tokenizer, calibration, ids, score=c.score,
+                                                grouping=c.grouping, K=c.K, candidates=list(c.scaling_candidates),
+                                                order=c.do.order, lam=_lam(c), seed=int(c.seed), **ppl_kw)
+                summary["scaling_choice"] = {"rule": "lowest pre-distillation ppl", "chosen": scaling,
+                                             "candidates": found}
+            student = to_dense(model, calibration, score=c.score, grouping=c.grouping, scaling=scaling,
                                K=c.K, order=c.do.order, lam=_lam(c), seed=int(c.seed))
             summary.update(_single(student, tokenizer, ids, ppl_kw, c, out))
     else:

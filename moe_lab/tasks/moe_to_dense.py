@@ -104,6 +104,8 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                                           "compress.export": True}))
     student_dir = Path(converted["export"])
     summary["pre_distill"] = {"student": "converted", "ppl": converted["ppl"], "status": converted["status"]}
+    if "scaling_choice" in converted:  # compress.scaling=best_ppl: the Stage-2 choice and every candidate's ppl
+        summary["scaling_choice"] = converted["scaling_choice"]
     teacher_cfg, method = to_plain(cfg.model), cfg.method.name
     if cfg.compress.init != "converted":  # the baseline's own starting point; the converted one for reference
         student_dir, point = baseline_student(cfg, student_dir, out / "convert" / f"export_{cfg.compress.init}")
@@ -117,6 +119,12 @@ def moe_to_dense(cfg: DictConfig) -> dict:
     distilled = finetune(distill_cfg)
     summary["distill"] = {k: distilled.get(k) for k in ("global_step", "train/loss", "kd/kl", "kd/top1_agreement",
                                                          "wall_time_s", "export")}
+    options = to_plain(cfg.method.get("options")) or {}
+    if options.get("loss") == "fkl_hidden":  # the hidden-state term's normalisation and its last effective weight
+        summary["distill"].update({"hidden_norm": options.get("hidden_norm", "balanced"),
+                                   "hidden_weight": options.get("hidden_weight", 1.0),
+                                   "kd/hidden_mse": distilled.get("kd/hidden_mse"),
+                                   "kd/hidden_weight": distilled.get("kd/hidden_weight")})
     if distilled.get("export"):
         model, tokenizer = load_model({**student_cfg, "pretrained": distilled["export"]}, method=method)
         point = student_ppl(model, tokenizer, cfg.compress)

@@ -186,3 +186,36 @@ def test_bad_input_names_the_fix():
     phimoe = build_tiny("phimoe").eval()
     with pytest.raises(ValueError, match="phimoe.*no vanilla dense target"):
         DenseBuilder(phimoe)
+
+
+def test_scaling_matches_the_routed_mass_of_a_renormalising_router():
+    """DeepSeek-V3 (renormalised top-k, routed_scaling_factor 2.5): uniform alpha = 2.5 / k each, proportional
+    alphas = 2.5 x S_g / sum S (hand, from the manifest's groups and the SF score) - both sum to the router's
+    routed mass 2.5; conditional is refused for renormalising routers (DeepSeek-V3, Qwen3, GPT-OSS) naming
+    the reason, and stays legal for DeepSeek-V2 (no renormalisation)."""
+    from moe_lab.compress.scores import scores
+
+    teacher, calibration = _teacher("deepseek_v3")
+    k = teacher.config.num_experts_per_tok
+    assert teacher.config.routed_scaling_factor == 2.5 and teacher.config.norm_topk_prob
+    uni = to_dense(teacher, calibration, score="sf", grouping="rr", scaling="uniform", K=4).moe_lab_manifest
+    assert uni["routed_scaling"] == 2.5
+    for layer in uni["layers"].values():
+        assert layer["alpha"] == [2.5 / k] * k
+    prop = to_dense(teacher, calibration, score="sf", grouping="rr", scaling="proportional", K=4).moe_lab_manifest
+    sf = scores(calibration, "sf")
+    for index, layer in prop["layers"].items():
+        s = sf[int(index)]
+        mass = [float(sum(s[e] for e in g)) for g in layer["groups"]]
+        want = [2.5 * m / sum(mass) for m in mass]
+        assert layer["alpha"] == pytest.approx(want, rel=1e-12) and sum(layer["alpha"]) == pytest.approx(2.5)
+    for family in ("deepseek_v3", "qwen3_moe", "gpt_oss"):
+        model, cal = _teacher(family)
+        with pytest.raises(ValueError, match="compress.scaling=conditional is for routers that do not renormalise"):
+            to_dense(model, cal, score="sf", scaling="conditional")
+    teacher, calibration = _teacher("deepseek_v2")
+    student = to_dense(teacher, calibration, score="sf", scaling="conditional")
+    cp = scores(calibration, "cp")
+    scale = teacher.config.routed_scaling_factor
+    for index, layer in student.moe_lab_manifest["layers"].items():
+        assert layer["alpha"] == pytest.approx([scale * float(cp[int(index)][g[0]]) for g in layer["groups"]])

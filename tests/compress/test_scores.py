@@ -41,7 +41,9 @@ HAND = {  # hand-computed from hand_calibration()
     "do_cp": [0.4, 0.4, 0.3, 0.0],        # base importance
     "do_acp": [0.8, 1.2, 0.3, 0.0],
     "reap": [1.0, 2.0, 0.5, 0.0],         # wnorm_sel / count
-    "ean": [2.0, 3.0, 2.0, 0.0],          # norm_sel / count
+    "ean": [2.0, 3.0, 2.0, 0.0],          # norm_sel / count (= ean_mean)
+    "ean_mean": [2.0, 3.0, 2.0, 0.0],     # REAP's ean_mean: norm_sel / count
+    "ean_sum": [10.0, 9.0, 4.0, 0.0],     # REAP's ean_sum: norm_sel
     "es_act": [0.5, 0.3, 0.2, 0.0],       # seq_act / (2 sequences * k=2)
     "es_mag": [1.5, 0.5, 1.0, 0.0],       # seq_mag / 2
 }
@@ -59,6 +61,7 @@ def test_es_mag_ungated_and_rankings_with_ties():
     torch.testing.assert_close(scores(cal, "es_mag", variant="ungated")[3], torch.tensor([2.0, 3.0, 1.0, 4.0], dtype=f64))
     assert select_experts(cal, "cp", 2)[3].tolist() == [0, 1]       # CP tie 0.4 / 0.4 -> lower index first
     assert select_experts(cal, "ean", 3)[3].tolist() == [1, 0, 2]   # EAN tie 2 / 2 -> lower index first
+    assert select_experts(cal, "ean_sum", 3)[3].tolist() == [0, 1, 2]  # the sum favours the frequent expert 0
     assert select_experts(cal, "sf", 4)[3].tolist() == [0, 1, 2, 3]
     assert ranking(torch.tensor([0.0, 1.0, 1.0, 0.0])).tolist() == [1, 2, 0, 3]
     # diagonal Gram: DO selects top-K by K_ee = I_e * v_e (not by I_e): DO-ACP ranks by CP * v^(3/2)
@@ -155,5 +158,5 @@ def test_bad_input_is_named(tiny_cals):
     cal.layers[3]["p_sel"].zero_()
     with pytest.raises(ValueError, match="lambda=0.0 is not positive"):
         select_experts(cal, "do_cp", 2)
-    assert set(METHODS) == {"sf", "pp", "ps", "cp", "acp", "do_cp", "do_acp", "reap", "ean", "es_act", "es_mag",
-                            "random"}
+    assert set(METHODS) == {"sf", "pp", "ps", "cp", "acp", "do_cp", "do_acp", "reap", "ean", "ean_mean", "ean_sum",
+                            "es_act", "es_mag", "random"}

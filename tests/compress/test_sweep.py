@@ -117,11 +117,11 @@ def _cfg(tmp_path, *overrides):
                                             *overrides])
 
 
-@pytest.mark.parametrize("mode", ["single", "grid", "prune"])
+@pytest.mark.parametrize("mode", ["single", "best_ppl", "grid", "prune"])
 def test_task_compress(mode, tmp_path):
     from moe_lab.models import load_model
     from moe_lab.tasks import TASKS
-    from moe_lab.tasks.compress import compress
+    from moe_lab.tasks.compress import compress, eval_ids
 
     assert "compress" in TASKS
 
@@ -136,6 +136,16 @@ def test_task_compress(mode, tmp_path):
         summary = compress(cfg)
         assert summary["status"] == "ok" and (tmp_path / "export" / "config.json").is_file()
         assert summary["manifest"]["grouping"] == "wc" and summary["manifest"]["K"] == 4
+    elif mode == "best_ppl":  # the paper's Stage 2 scaling choice: independent conversions, lowest ppl
+        cfg = _cfg(tmp_path, *common, "compress.score=sf", "compress.K=4", "compress.scaling=best_ppl")
+        summary = compress(cfg)
+        ids = eval_ids(cfg.compress.eval, load_tokenizer("byte"))
+        found = {s: ppl_point(to_dense(tiny, cal, score="sf", grouping="rr", scaling=s, K=4), load_tokenizer("byte"),
+                              ids, max_length=64, stride=64)["ppl"] for s in ("uniform", "proportional")}
+        assert found["uniform"] != found["proportional"]
+        assert summary["scaling_choice"]["chosen"] == min(found, key=found.get) == summary["manifest"]["scaling"]
+        assert {s: v["ppl"] for s, v in summary["scaling_choice"]["candidates"].items()} == found
+        assert summary["ppl"] == min(found.values())
     elif mode == "grid":
         cfg = _cfg(tmp_path, *common, "compress=paper_grid", "compress.grid.scores=[sf,cp]",
                    "compress.grid.groupings=[rr,rc]")

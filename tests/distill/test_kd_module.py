@@ -114,6 +114,48 @@ def test_hidden_mse_term_and_identical_student_is_zero():
     module = KDModule(build_tiny("qwen3_moe", seed=0), teacher=teacher, options={"loss": "fkl_hidden"})
     sums = module.kd_sums(random_batch())
     assert float(sums["div"]) == pytest.approx(0, abs=1e-5) and float(sums["hidden"]) == pytest.approx(0, abs=1e-8)
-    other = KDModule(build_tiny("qwen3_moe", seed=1), teacher=teacher, options={"loss": "fkl_hidden"})
+    other = KDModule(build_tiny("qwen3_moe", seed=1), teacher=teacher,
+                     options={"loss": "fkl_hidden", "hidden_norm": "layer_mean"})
     sums = other.kd_sums(random_batch())
     assert float(sums["hidden"]) > 0 and torch.allclose(sums["loss"], sums["div"] + sums["hidden"])
+
+
+def test_hidden_mse_normalisations_against_hand_layer_states():
+    """fkl_hidden's hidden term against a float64 hand computation from HF's ``output_hidden_states`` (the
+    residual stream after each decoder layer; HF's last entry is post-norm, so the last layer's output is read
+    at the final norm's input): layer_sum = sum over layers of the per-token MSE, layer_mean = that / L,
+    balanced = the layer mean rescaled to the KD term's value, each with its effective weight recorded."""
+    teacher = build_tiny("qwen3_moe", seed=0)
+    student = build_tiny("qwen3_moe", seed=1)
+    batch = random_batch()
+    mask = batch["attention_mask"].bool()
+
+    def states(model):
+        seen = []
+        handle = model.model.norm.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        output_hidden_states=True)
+        handle.remove()
+        return list(out.hidden_states[1:-1]) + seen
+
+    L = student.config.num_hidden_layers
+    pairs = list(zip(states(student), states(teacher)))
+    assert len(pairs) == L
+    hand = float(sum(((a.double() - b.double()) ** 2).mean(-1)[mask].sum() for a, b in pairs))
+    results = {}
+    for norm in ("layer_sum", "layer_mean", "balanced"):
+        module = KDModule(build_tiny("qwen3_moe", seed=1), teacher=teacher,
+                          options={"loss": "fkl_hidden", "hidden_norm": norm, "hidden_weight": 0.5})
+        results[norm] = sums = module.kd_sums(batch)
+        module._step(batch, "val")
+        assert module.kd_stats["hidden_weight"] == pytest.approx(float(sums["hidden_weight"]))
+    assert float(results["layer_sum"]["hidden"]) == pytest.approx(hand, rel=1e-5)
+    assert float(results["layer_mean"]["hidden"]) == pytest.approx(hand / L, rel=1e-5)
+    assert float(results["layer_mean"]["hidden_weight"]) == 0.5
+    bal = results["balanced"]
+    div, mse = float(bal["div"]), float(bal["hidden"])
+    assert float(bal["hidden_weight"]) == pytest.approx(0.5 * div / mse, rel=1e-6)
+    assert float(bal["loss"]) == pytest.approx(1.5 * div, rel=1e-5)  # the hidden term = 0.5 x the KD term
+    with pytest.raises(ValueError, match="hidden_norm='sum': choose one of balanced, layer_mean, layer_sum"):
+        KDModule(build_tiny("qwen3_moe"), teacher=teacher, options={"loss": "fkl_hidden", "hidden_norm": "sum"})

@@ -151,4 +151,7 @@ def test_hidden_mse_oracle():
     b = [torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(10 + i)) for i in range(2)]
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
     ref = sum(((x.double() - y.double()) ** 2).mean(-1)[mask.bool()].sum() for x, y in zip(a, b))
-    assert torch.allclose(hidden_mse_sum(a, b, mask).double(), ref, rtol=1e-6)
+    assert torch.allclose(hidden_mse_sum(a, b, mask, layers="sum").double(), ref, rtol=1e-6)
+    assert torch.allclose(hidden_mse_sum(a, b, mask).double(), ref / 2, rtol=1e-6)  # default: mean over 2 layers
+    with pytest.raises(ValueError, match="layers='all': choose one of mean, sum"):
+        hidden_mse_sum(a, b, mask, layers="all")

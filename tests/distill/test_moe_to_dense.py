@@ -62,6 +62,18 @@ def test_pipeline_runs_all_stages(tmp_path):
     assert labels == ("tiny_qwen3_moe_dense", "kd") and model.config.model_type == "qwen3"
 
 
+@pytest.mark.slow  # ~40 s: the whole pipeline with the hidden-state term
+def test_fkl_hidden_records_its_normalisation_and_weight(tmp_path):
+    """summary.json records fkl_hidden's normalisation and its effective weight; balanced: the weight of the
+    last micro-batch = hidden_weight x its KD term / its layer-mean MSE (token means of the same batch)."""
+    from moe_lab.tasks import run_task
+
+    summary = run_task(_cfg(tmp_path, "method=kd", "method.options.loss=fkl_hidden",
+                            "method.options.hidden_weight=0.5"))["distill"]
+    assert summary["hidden_norm"] == "balanced" and summary["hidden_weight"] == 0.5
+    assert summary["kd/hidden_weight"] == pytest.approx(0.5 * summary["kd/kl"] / summary["kd/hidden_mse"], rel=1e-4)
+
+
 @pytest.mark.parametrize("source", ["memory", "export"])
 def test_baselines_reinitialise_ffn_or_everything(source, tmp_path):
     """``export``: the student as the task has it, reloaded by load_model (from_pretrained marks its tensors as
@@ -150,3 +162,27 @@ def test_kl_plot_draws_raw_steps_and_a_rolling_mean(tmp_path):
     (tmp_path / "empty.csv").write_text("epoch,step,train/loss\n0,0,1.0\n")
     with pytest.raises(ValueError, match="no kd/kl or val/kd/kl values"):
         plot_kl(tmp_path / "empty.csv", tmp_path / "x.png")
+
+
+def test_kprime_preset_runs_both_readings_of_the_widened_teacher():
+    """Table 4's preset: k' = 16, 32, 64, 96 under both the paper's Eq. 6 and the family rule, on the DO-ACP K = 8
+    student of the base Qwen3 preset."""
+    from moe_lab.distill.teacher import weight_rule_name
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=moe_to_dense/qwen3_30b_a3b_kprime"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert [int(k) for k in params["method.options.teacher_top_k"].split(",")] == [16, 32, 64, 96]
+    rules = params["method.options.teacher_weight_rule"].split(",")
+    assert sorted(weight_rule_name(r) for r in rules) == ["family", "paper_eq6"]
+    assert (cfg.compress.score, cfg.compress.grouping, cfg.compress.K) == ("do_acp", "rr", 8)
+    assert cfg.task.name == "moe_to_dense" and cfg.method.name == "kd"
+
+
+def test_gpt_oss_preset_chooses_its_scaling_by_pre_distill_perplexity():
+    """Sec. 4.6: GPT-OSS renormalises, "so we sweep uniform and proportional"; Stage 2 keeps the lower
+    pre-distillation perplexity (compress.scaling=best_ppl, tested in tests/compress/test_sweep.py)."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=moe_to_dense/gpt_oss_20b"])
+    assert cfg.compress.scaling == "best_ppl"
+    assert list(cfg.compress.scaling_candidates) == ["uniform", "proportional"]

@@ -130,3 +130,72 @@ def test_dense_teacher_loads_and_distils_a_dense_student(tmp_path):
         scale = g.abs().max().item() + 1e-12
         assert torch.allclose(grab.grads[name], g, rtol=0, atol=1e-5 * scale), name
     assert torch.equal(module.teacher(**inputs).logits, ref)  # the teacher stays frozen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paper_eq6 (alias raw): the paper's Eq. 6 weight p for every router kind, against a hand computation
+
+
+def _hand_p(family: str, x: torch.Tensor, router) -> torch.Tensor:
+    """p by hand in float64 from the router's parameters: softmax over all E of x W^T (+ b) for softmax and
+    identity-score (GPT-OSS, its bias included) routers, 1 / (1 + exp(-x W^T)) for DeepSeek-V3's sigmoid router."""
+    z = x.double() @ router.weight.double().T
+    bias = getattr(router, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        z = z + bias.double()
+    if family == "deepseek_v3":
+        return 1.0 / (1.0 + torch.exp(-z))
+    e = torch.exp(z - z.max(dim=-1, keepdim=True).values)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "mixtral"])
+@pytest.mark.parametrize("rule", ["paper_eq6", "raw"])
+def test_paper_eq6_weights_are_p_over_all_experts(family, rule):
+    from moe_lab.moe.routing import select_topk
+
+    model = build_tiny(family).eval()
+    patch = widen_teacher(model, 3, weight_rule=rule)
+    view, policy = patch.views[0], patch.views[0].router.moe_lab_policy
+    assert policy.weight_rule == "paper_eq6"
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, weights, indices = policy(view.router, x)
+        fam_w, fam_i = select_topk(view.rule, logits, False, getattr(view.router, "e_score_correction_bias", None),
+                                   top_k=3)
+    patch.remove()
+    assert torch.equal(indices, fam_i)  # the k'-set is the family's selection; only the weights change
+    hand = _hand_p(family, x, view.router).gather(1, indices)
+    assert torch.allclose(weights.double(), hand, rtol=0, atol=2e-6)  # fp32 softmax / sigmoid of O(1) logits
+    if family in ("gpt_oss", "qwen3_moe", "deepseek_v3", "mixtral"):  # their own rule renormalises: Eq. 6 differs
+        assert not torch.allclose(fam_w.double(), hand, atol=1e-3)
+
+
+def test_paper_eq6_gpt_oss_block_output_is_the_p_weighted_sum():
+    """The widened GPT-OSS teacher's MoE block output with paper_eq6 = sum over the top-k' logits of
+    softmax_all(z)_e f_e(x) (float64 hand sum of the experts' outputs)."""
+    from moe_lab.moe.experts import expert_forward
+
+    model = build_tiny("gpt_oss").eval()
+    patch = widen_teacher(model, 3, weight_rule="paper_eq6")
+    view, block = patch.views[0], patch.layers[0]
+    x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        flat = x.view(-1, x.shape[-1])
+        p = _hand_p("gpt_oss", flat, view.router)
+        z = flat.double() @ view.router.weight.double().T + view.router.bias.double()
+        top = z.topk(3, dim=-1).indices
+        hand = torch.zeros(flat.shape, dtype=torch.float64)
+        for e in range(view.num_experts):
+            chosen = (top == e).any(-1)
+            hand += chosen[:, None] * p[:, e:e + 1] * expert_forward(view, e, flat).double()
+    patch.remove()
+    assert torch.allclose(out.reshape(flat.shape).double(), hand, rtol=0, atol=1e-5)
+
+
+def test_unknown_weight_rule_names_both_choices():
+    model = build_tiny("qwen3_moe").eval()
+    with pytest.raises(ValueError, match="teacher_weight_rule='p': choose family .* or paper_eq6"):
+        widen_teacher(model, 2, weight_rule="p")
