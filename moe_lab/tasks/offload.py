@@ -36,7 +36,7 @@ def offload_task(cfg: DictConfig) -> dict:
     logs = OmegaConf.to_container(t.logs) or {}
     if not logs:
         raise ValueError("task.logs is empty: give {method: <run dir>/routing_log.jsonl} (record with "
-                         "callbacks=routing_log), e.g. task.logs.sft=... task.logs.condenser=...")
+                         "callbacks=routing_log), e.g. +task.logs.sft=... +task.logs.condenser=...")
     with quiet_init():
         model = meta_model(architecture_config(cfg.model))
     signature = model_signature(model, cfg.model.name)
