@@ -148,3 +148,23 @@ def test_other_flags_are_checked(paper):
                 assert other["value"] == swap[2] and f"swapped with {row['benchmark']} {row['value']}" in other["flag"]
             else:
                 assert printed[1] in text, (paper, printed[1])
+
+
+def test_tiny_grid_prints_the_papers_numbers_and_flags(tmp_path, capsys):
+    """The tiny grid's labels renamed as its README says (--as tiny_olmoe=olmoe_0125 --as math_data=math7k): the
+    shipped Table 2 numbers beside ours, ours - paper per cell, and the swapped DenseMixer cells marked and listed."""
+    from tests.test_experiments import _eval_run, _finetune_run
+
+    for n, method in enumerate(("condenser", "densemixer")):
+        ft = _finetune_run(tmp_path / "ft", f"{n}_{method}", "math_data")
+        _eval_run(tmp_path / "ev" / f"{n}_{method}", "tiny_olmoe", method, {"GSM8K": 10.0, "SVAMP": 20.0}, ft / "export")
+    (tmp_path / "ev" / "multirun.yaml").write_text("task:\n  name: evaluate\n")
+    argv = ["condenser", str(tmp_path / "ev"), "--as", "tiny_olmoe=olmoe_0125", "--as", "math_data=math7k"]
+    assert collect.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = {tuple(c.strip() for c in line.strip("|").split("|")[:4]): [c.strip() for c in line.split("|")[6:9]]
+             for line in out.splitlines() if line.startswith("| OLMoE")}
+    assert lines[("OLMoE-1B-7B-0125", "Expert Condenser", "math7k", "GSM8K")] == ["68.40", "10.00", "-58.40"]
+    assert lines[("OLMoE-1B-7B-0125", "DenseMixer", "math7k", "SVAMP")] == ["92.00!", "20.00", "-72.00"]
+    assert not any(key[1] == "Base Model" for key in lines)  # rows without a result of ours: with --all only
+    assert "- ! OLMoE-1B-7B-0125 / DenseMixer / SVAMP: likely swapped with MultiArith 56.4" in out
