@@ -1,7 +1,10 @@
 """A paper's reported table next to ours, cell by cell: ``python -m experiments.collect <paper> RESULTS...``.
 
 ``<paper>`` names a folder of ``experiments/`` holding ``reported.csv`` (one line per paper cell: table,
-paper_model, model, paper_row, row, train, eval, benchmark, metric, value, source). RESULTS are
+paper_model, model, paper_row, row, train, eval, benchmark, metric, value, source, flag). ``value`` is the paper's
+number as printed, ``source`` names its table, row and column (or says why there is none), ``flag`` says what is
+wrong with a printed number (an Avg. that is not its row's mean, a likely-swapped cell); flagged paper values are
+marked ``!`` and their flags listed under the table. RESULTS are
 ``task=evaluate`` run directories (``summary.json``) or sweep directories (``multirun/<...>/`` with
 ``multirun.yaml`` and numbered job directories). A result cell matches a paper cell when
 
@@ -40,9 +43,9 @@ from moe_lab.eval.results import AVERAGE, ResultsTable, expand_runs
 
 PAPERS_DIR = Path(__file__).resolve().parent
 FIELDS = ("table", "paper_model", "model", "paper_row", "row", "train", "eval", "benchmark", "metric", "value",
-          "source")
+          "source", "flag")
 OUT_FIELDS = ("table", "model", "method", "train", "benchmark", "metric", "paper", "ours", "diff", "limit", "partial",
-              "run", "note")
+              "run", "note", "flag")
 _METRIC = {s.title: s.metric for s in EVAL_SETS.values()}
 # papers whose Avg. is a mean of lm-eval hub tasks (their data and prompts, not the LLM-Adapters files)
 HUB_AVERAGES = {"condense": "compression spec 3.9: lm-eval zero-shot, 8 tasks",
@@ -79,10 +82,11 @@ def load_reported(paper: str, path: str | Path | None = None) -> list[dict]:
         raise FileNotFoundError(f"no {path}: choose a paper from {', '.join(papers())}")
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != FIELDS:
+        if tuple(reader.fieldnames or ()) not in (FIELDS, FIELDS[:-1]):  # the flag column may be left out
             raise ValueError(f"{path}: the header must be {','.join(FIELDS)}, found {reader.fieldnames}")
         rows = list(reader)
     for n, row in enumerate(rows, 2):
+        row["flag"] = row.get("flag") or ""
         try:
             row["value"] = float(row["value"]) if row["value"].strip() else None
         except ValueError:
@@ -242,7 +246,7 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False, hu
             "metric": paper["metric"] if comparable else f"{paper['metric']} (ours: {our_metric})",
             "paper": paper["value"], "ours": value, "diff": diff,
             "limit": None if mine is None else mine.limit, "run": None if mine is None else str(mine.run),
-            "partial": mine is not None and mine.partial, "note": note,
+            "partial": mine is not None and mine.partial, "note": note, "flag": paper.get("flag", ""),
         })
     if normalise_to is not None:
         rows = normalised(rows, normalise_to)
@@ -285,7 +289,7 @@ def normalised(rows: list[dict], reference: str) -> list[dict]:
             "metric": f"% of {reference}", "paper": ratio["paper"], "ours": ratio["ours"],
             "diff": ratio["ours"] - ratio["paper"] if None not in ratio.values() else None,
             "limit": limits[0] if limits else None, "partial": any(r["partial"] for r in used), "run": None,
-            "note": "",
+            "note": "", "flag": "",
         })
     return out
 
@@ -308,6 +312,7 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
     constructed: set[str] = set()
     for table in dict.fromkeys(r["table"] for r in rows):
         lines += [f"### {table}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        flags = []
         for r in (r for r in rows if r["table"] == table):
             mark = "*" if r["limit"] is not None and r["ours"] is not None else ""
             limited |= bool(mark)
@@ -317,10 +322,13 @@ def to_markdown(rows: list[dict], unmatched: list[Ours]) -> str:
                 mark, constructed = mark + "\u00a7", constructed | {r["note"]}
             elif r.get("note"):
                 mark, refused = mark + "\u2020", True
-            cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]),
+            flag = "!" if r.get("flag") else ""
+            if flag:
+                flags.append(f"- ! {r['model']} / {r['method']} / {r['benchmark']}: {r['flag']}")
+            cells = [r["model"], r["method"], r["train"], r["benchmark"], r["metric"], _fmt(r["paper"]) + flag,
                      _fmt(r["ours"]) + mark, _fmt(r["diff"], signed=True)]
             lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", *flags, ""] if flags else [""]
     if limited:
         lines += ["\\* ours on the first eval.limit rows of each set only", ""]
     if partial:

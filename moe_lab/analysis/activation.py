@@ -1,5 +1,6 @@
 """Activation statistics of routed experts (Condenser paper App. L, Figs. 3 and 5; compression spec 4.5):
-sorted activation shares, Lorenz curves, Gini (per layer, mean, pooled), tail share, count heatmaps."""
+selection counts under the model's installed routing, sorted activation shares, Lorenz curves, Gini (per layer,
+mean, pooled), tail share, count heatmaps."""
 
 from __future__ import annotations
 
@@ -9,6 +10,29 @@ from matplotlib.figure import Figure
 
 from .load_stats import gini
 from .report import save_figure
+
+
+def count_selections(patch, batches) -> dict[int, torch.Tensor]:
+    """{MoE layer index: int64 [E] (token, slot) selections} of the real (non-pad) tokens of ``batches`` (dicts
+    with ``input_ids`` and optional ``attention_mask``) under the routing ``patch`` installed: a method's own
+    (Expert Condenser's biases and forced condensers, Compressed Experts' main experts), or the family's top-k
+    for a plain patch. The blocks count the indices their router returns, in eval mode, without gradients."""
+    model = patch.model
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    patch.reset_counts()
+    try:
+        with torch.no_grad(), patch.calibration():
+            for batch in batches:
+                mask = batch.get("attention_mask")
+                model(input_ids=batch["input_ids"].to(device), use_cache=False,
+                      attention_mask=None if mask is None else mask.to(device))
+    finally:
+        model.train(was_training)
+    counts = {layer.index: layer.counts.detach().cpu().clone() for layer in patch.layers}
+    patch.reset_counts()
+    return counts
 
 
 def shares(counts: torch.Tensor) -> torch.Tensor:

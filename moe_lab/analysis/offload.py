@@ -17,7 +17,8 @@ def needed(counts: torch.Tensor) -> torch.Tensor:
 
 
 def all_experts(counts: torch.Tensor) -> torch.Tensor:
-    """DenseMixer: every expert is computed on every token, so every expert is needed every step."""
+    """DenseMixer: every expert is computed on every token, so every expert is needed every step (with a device
+    cache smaller than E, :func:`fetches` then copies all E of every layer every step)."""
     return torch.ones_like(counts, dtype=torch.bool)
 
 
@@ -25,10 +26,14 @@ def fetches(need: torch.Tensor, *, policy: str, capacity: int, pinned: dict[int,
             granularity: str = "expert") -> torch.Tensor:
     """[steps, layers] experts copied host -> device per step.
 
-    ``expert``: a needed expert not resident is fetched; ``lru`` keeps up to ``capacity`` non-pinned experts per
-    layer (least recently needed evicted first; cold start), ``pinned`` experts (condensers, by layer position)
-    stay resident and are never fetched after the first step; ``all_resident`` fetches nothing after the first
-    step. ``packed``: the packed expert tensor is one unit: ZeRO-3 gathers all E experts of every layer on every
+    ``expert``: a needed expert not resident is fetched; ``lru`` holds at most ``capacity`` non-pinned experts per
+    layer at any time (cold start): a layer's needed experts are visited in index order (the order HF's expert
+    loop computes them) and each fetch beyond capacity evicts the least recently used one at once. A step that
+    needs more experts than ``capacity`` therefore fetches every one of them (a cyclic scan defeats LRU):
+    DenseMixer, needing all E, fetches E per layer per step for any capacity < E (the knob does not set its
+    cost); capacity >= E keeps everything resident. ``pinned`` experts (condensers, by layer position) stay
+    resident beside the cache and are never fetched after the first step; ``all_resident`` fetches nothing after
+    the first step. ``packed``: the packed expert tensor is one unit: ZeRO-3 gathers all E experts of every layer on every
     pass whatever the routing, so every step fetches E per layer (no policy can save anything).
     """
     if policy not in POLICIES:
@@ -61,7 +66,7 @@ def fetches(need: torch.Tensor, *, policy: str, capacity: int, pinned: dict[int,
                 else:
                     fetched += 1
                     cache[e] = None
-            while len(cache) > capacity:
-                cache.popitem(last=False)
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)
             out[s, layer] = fetched
     return out

@@ -1,6 +1,10 @@
 """task=expert_removal: the Condenser paper's expert-removal study (spec 4.2-4.4): Small Dense n', Small MoE n',
 Inference Reduce k' with ES-Act / ES-Mag, each pruned model evaluated with ``eval=`` (math7), the paper's table
-layout, accuracy vs retained parameters with fits (our addition); condensers always kept with task.always_keep."""
+layout, accuracy vs retained parameters with fits (our addition); condensers always kept with task.always_keep.
+
+The base row is evaluated under the routing the model carries (an export's Expert Condenser biases and condensers,
+Compressed Experts' main experts: their files are copied beside the base export); the pruned points under the
+pruned model's plain routing (those files name experts of the unpruned layers), said in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.meta_costs import count_parameters
 from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper_table
 from ..analysis.report import log_images, markdown_table, write_csv
+from ..methods.registry import EXPORT_LOADERS
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from .evaluate import evaluate
@@ -62,6 +67,14 @@ def _evaluate_export(cfg: DictConfig, export: Path, out: Path, label: str) -> di
     return json.loads((out / "summary.json").read_text())["metrics"]
 
 
+def routing_files(pretrained) -> list[Path]:
+    """The moe-lab routing files (``EXPORT_LOADERS``) beside a local ``model.pretrained`` export; [] otherwise."""
+    source = Path(str(pretrained)).expanduser() if pretrained else None
+    if source is None or not source.is_dir():
+        return []
+    return [source / name for name in EXPORT_LOADERS if (source / name).is_file()]
+
+
 def _row(p: dict, model, metrics: dict) -> dict:
     counts = count_parameters(model)
     accs = {k.split("/")[1]: 100 * v for k, v in metrics.items() if k.startswith("eval/") and k != "eval/avg"}
@@ -92,6 +105,13 @@ def expert_removal_task(cfg: DictConfig) -> dict:
     export = base_dir / "export"
     model.save_pretrained(export)
     _save_tokenizer(tokenizer, export)
+    routing = routing_files(cfg.model.get("pretrained"))
+    for path in routing:  # the base row under the model's own routing, as task=evaluate of the export would
+        shutil.copy2(path, export / path.name)
+    if routing:
+        names = ", ".join(p.name for p in routing)
+        print(f"expert_removal: base row evaluated with the routing of {names}; pruned points with the pruned "
+              "model's plain routing (the file's expert ids do not survive pruning)", flush=True)
     rows.append(_row({"strategy": "base", "n": view.num_experts, "k": view.top_k, "score": None}, model,
                      _evaluate_export(cfg, export, base_dir, "base")))
     if not t.keep_exports:

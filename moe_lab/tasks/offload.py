@@ -36,7 +36,7 @@ def offload_task(cfg: DictConfig) -> dict:
     logs = OmegaConf.to_container(t.logs) or {}
     if not logs:
         raise ValueError("task.logs is empty: give {method: <run dir>/routing_log.jsonl} (record with "
-                         "callbacks=routing_log), e.g. task.logs.sft=... task.logs.condenser=...")
+                         "callbacks=routing_log), e.g. +task.logs.sft=... +task.logs.condenser=...")
     with quiet_init():
         model = meta_model(architecture_config(cfg.model))
     signature = model_signature(model, cfg.model.name)
@@ -81,7 +81,10 @@ def offload_task(cfg: DictConfig) -> dict:
     text = [f"# Offload traffic: {cfg.model.name}\n",
             (f"Host -> device expert bytes per step ({passes} fetch pass(es) per step, {t.bytes_per_param} bytes/param, "
              f"{t.bandwidth_gb_s} GB/s), policy {policy}; condensers pinned for {list(t.pinned_runs)}; the first "
-             "(cold) step is left out of the means. Time per 10 iterations as the paper's Table 4 (A0-6).\n"),
+             "(cold) step is left out of the means. LRU holds at most capacity experts per layer at any time and "
+             "visits a step's experts in index order, so a step needing more than capacity fetches all of them: "
+             "DenseMixer fetches every expert of every layer every step (capacity < E). Time per 10 iterations "
+             "as the paper's Table 4 (A0-6); its measured protocol is bench/offload.py.\n"),
             markdown_table(table, {"method": "method", "granularity": "granularity",
                                    "experts_per_step": "experts fetched/layer/step", "gb_per_step": "GB/step",
                                    "seconds_per_step": "s/step", "seconds_per_10": "s/10 it",

@@ -58,21 +58,30 @@ def test_task_on_a_calibration(tmp_path):
         run_task(cfg)
 
 
-def test_task_calibrates_the_model_on_a_dataset(tmp_path):
-    """No task.runs: one calibration pass of model on task.dataset; counts = real tokens x k per layer."""
+def test_task_counts_the_model_on_a_dataset(tmp_path):
+    """No task.runs: the model counted on task.dataset under its own (here plain top-k) routing; counts = real
+    tokens x k per layer."""
+    import csv
+
     from hydra import compose, initialize_config_dir
 
-    from moe_lab.compress.calibration import Calibration
     from moe_lab.tasks import run_task
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["task=activation_stats", "model=tiny_qwen2_moe",
                                            "dataset@task.dataset=synthetic_math", "task.calibration.num_sequences=6",
-                                           f"paths.output_dir={tmp_path}", "logger=none"])
+                                           "task.dataset.num_examples=40", f"paths.output_dir={tmp_path}",
+                                           "logger=none"])
     summary = run_task(cfg)
-    cal = Calibration.load(tmp_path / "calibration.safetensors")
-    k = 2
-    for stats in cal.layers.values():
-        assert int(stats["count"].sum()) == int(stats["n"]) * k
+    with open(tmp_path / "activation_counts.csv") as f:
+        rows = list(csv.DictReader(f))
+    per_layer = {}
+    for r in rows:
+        per_layer[r["layer"]] = per_layer.get(r["layer"], 0) + int(r["selections"])
+    with open(tmp_path / "activation_layers.csv") as f:
+        assignments = {r["layer"]: int(r["assignments"]) for r in csv.DictReader(f)}
+    assert sorted(per_layer) == ["0", "2"] and per_layer == assignments  # layer 1 is dense
+    assert len(set(per_layer.values())) == 1 and per_layer["0"] % 2 == 0  # every real token picks k = 2
     assert 0 < summary["activation/tiny_qwen2_moe/gini_mean"] < 1
     assert (tmp_path / "activation_heatmap.png").is_file()
+    assert "family top-k" in (tmp_path / "activation.md").read_text()

@@ -17,7 +17,8 @@ from tests.conftest import ROOT, tiny_model_cfg
 
 
 def oracle(need, capacity, pins):
-    """Timestamps: every needed expert is stamped (step, index); evict the oldest stamps beyond capacity."""
+    """Timestamps: every needed expert is stamped (step, index) when used; after each stamp, the oldest stamps
+    beyond capacity are evicted (the device holds at most capacity non-pinned experts at any time)."""
     steps, layers, _ = need.shape
     out = torch.zeros(steps, layers, dtype=torch.long)
     for layer in range(layers):
@@ -30,8 +31,8 @@ def oracle(need, capacity, pins):
                     continue
                 out[s, layer] += e not in stamp
                 stamp[e] = (s, e)
-            for e in sorted(stamp, key=stamp.get)[: max(0, len(stamp) - capacity)]:
-                del stamp[e]
+                for old in sorted(stamp, key=stamp.get)[: max(0, len(stamp) - capacity)]:
+                    del stamp[old]
     return out
 
 
@@ -55,6 +56,14 @@ def test_hand_cases():
     assert fetches(need, policy="all_resident", capacity=0).flatten().tolist() == [4, 0, 0]
     assert fetches(need, policy="lru", capacity=2, granularity="packed").flatten().tolist() == [4, 4, 4]
     assert fetches(all_experts(need), policy="lru", capacity=0).flatten().tolist() == [4, 4, 4]
+    # DenseMixer: all E every step whatever capacity < E (scanning 0..3 through a cache of 3 misses every
+    # time); with capacity E everything stays resident after the cold start
+    for capacity in (1, 2, 3):
+        assert fetches(all_experts(need), policy="lru", capacity=capacity).flatten().tolist() == [4, 4, 4]
+    assert fetches(all_experts(need), policy="lru", capacity=4).flatten().tolist() == [4, 0, 0]
+    # a pinned condenser is the only saving a sparse step needing more than capacity gets
+    full = torch.ones(3, 1, 4, dtype=torch.bool)
+    assert fetches(full, policy="lru", capacity=2, pinned={0: [1]}).flatten().tolist() == [4, 3, 3]
     with pytest.raises(ValueError, match="task.policy"):
         fetches(need, policy="fifo", capacity=1)
 
@@ -103,9 +112,10 @@ def test_task_table_and_refusal(tmp_path):
     # packed: every method fetches every expert: equal times
     packed = {k: v for k, v in summary.items() if "/packed/" in k}
     assert len(set(packed.values())) == 1
-    # per-expert: DenseMixer needs all 8 experts of both layers every step; LRU keeps 2, so 6 are fetched
+    # per-expert: DenseMixer needs all 8 experts of both layers every step; a cache of 2 keeps none of them, so
+    # all 8 are fetched (not 8 - capacity)
     c = tiny_model_cfg("olmoe").config
-    dm = 2 * (8 - 2) * 3 * c.hidden_size * c.intermediate_size * 2 / 25e9
+    dm = 2 * 8 * 3 * c.hidden_size * c.intermediate_size * 2 / 25e9
     assert summary["offload/densemixer/expert/seconds_per_step"] == pytest.approx(dm, rel=1e-12)
     assert summary["offload/condenser/expert/seconds_per_step"] <= summary["offload/sft/expert/seconds_per_step"]
     assert (out / "offload.png").stat().st_size > 10_000

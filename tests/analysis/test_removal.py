@@ -122,3 +122,42 @@ def test_tiny_sweep_keeps_condensers(tmp_path):
     assert "removal/small_dense/n3_k3/es_act" in summary and "removal/inference_reduce/n8_k1" in summary
     assert (out / "removal.png").is_file() and not (out / "points" / "base" / "export").exists()
     assert "| base | 8 | 2 |" in (out / "removal.md").read_text()
+
+
+def test_base_row_keeps_the_models_own_routing(tmp_path, capsys):
+    """model.pretrained = a condenser export: the base export carries its condenser.json, so the base row is
+    evaluated under the condenser routing (logits equal to the source export's with routing, not vanilla's)."""
+    import torch
+
+    from moe_lab.methods.registry import install_exported_routing
+    from moe_lab.models import load_model
+    from moe_lab.tasks import run_task
+    from tests.analysis.test_activation_routing import FORCED, _export
+    from tests.conftest import ROOT, random_batch, tiny_model_cfg
+
+    source = _export(tmp_path, "condenser", n=1, experts=FORCED)
+    ev = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "eval" / "_common.yaml"),
+                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(ROOT.parent / "shared" /
+                          "data" / "llm_adapters"), "generation": {"max_new_tokens": 2}, "device": "cpu"})
+    out = tmp_path / "run"
+    model_cfg = tiny_model_cfg("qwen2_moe")
+    model_cfg.update({"pretrained": str(source), "config_class": None, "config": None})
+    cfg = OmegaConf.create({"task": OmegaConf.load(ROOT / "conf" / "task" / "expert_removal.yaml")["task"],
+                            "model": model_cfg, "paths": {"output_dir": str(out)}, "logger": None, "eval": ev,
+                            "seed": 0})
+    cfg.task.update({"inference_reduce": [1], "keep_exports": True})
+    run_task(cfg)
+    assert "base row evaluated with the routing of condenser.json" in capsys.readouterr().out
+    base = out / "points" / "base" / "export"
+    assert (base / "condenser.json").read_text() == (source / "condenser.json").read_text()
+    batch = random_batch(batch=2, seq=12)
+
+    def logits(path, routing: bool):
+        model, _ = load_model({"pretrained": str(path), "tokenizer": "byte"})
+        if routing:
+            assert install_exported_routing(model, path) is not None
+        with torch.no_grad():
+            return model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    ours = logits(base, True)
+    assert torch.equal(ours, logits(source, True)) and not torch.allclose(ours, logits(source, False))
