@@ -3,6 +3,7 @@ SIGUSR1, and reading a checkpoint back with errors that say what it is."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -16,8 +17,27 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
+class _HashingWriter:
+    """A write-only file object that feeds every byte written through sha256 (torch.save writes sequentially)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Saves to a temporary file in the target directory, fsyncs, then renames over the target."""
+    """Saves to a temporary file in the target directory, fsyncs, then renames over the target. The file's sha256
+    is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, str] = {}
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
@@ -25,10 +45,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
+                writer = _HashingWriter(f)
+                torch.save(checkpoint, writer)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            self.digests[os.path.abspath(path)] = writer.sha.hexdigest()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -49,9 +71,8 @@ def read_checkpoint(path: str | Path, field: str = "task.ckpt_path") -> dict:
         except RuntimeError:  # a legacy (non-zip) torch file cannot be memory-mapped
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file: the cause goes in the message
-        raise ValueError(f"{field}={path} is not a moe-lab checkpoint (torch cannot read it: "
-                         f"{type(err).__name__}). Use <run dir>/checkpoints/last.ckpt of a task=finetune run, "
-                         "or task.resume=<run dir>.") from None
+        raise ValueError(f"{field}={path}: torch cannot read it ({type(err).__name__}): the file is truncated or "
+                         f"corrupted, or is not a checkpoint. {complete_beside(path)}") from None
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     if not isinstance(hparams, dict) or "method" not in hparams or "state_dict" not in ckpt:
         raise ValueError(f"{field}={path} is not a moe-lab checkpoint (no Lightning state_dict with moe-lab "
@@ -186,11 +207,69 @@ def mark_completed(trainer, ckpt: str | Path) -> None:
     if not trainer.is_global_zero:
         return
     info = {"global_step": int(trainer.global_step), "strategy": strategy_kind(trainer.strategy),
-            "world_size": int(trainer.world_size)}
+            "world_size": int(trainer.world_size), "sha256": content_digests(Path(ckpt), trainer)}
     target = marker_path(ckpt)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(info) + "\n")
     os.replace(tmp, target)
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def content_digests(ckpt: Path, trainer=None) -> dict[str, str]:
+    """``{name: sha256}`` of a checkpoint file (the digest :class:`AtomicCheckpointIO` computed while writing it,
+    else read back) or of every file inside a DeepSpeed checkpoint directory (names relative to it)."""
+    if ckpt.is_dir():
+        return {str(p.relative_to(ckpt)): _sha256_file(p) for p in sorted(ckpt.rglob("*"))
+                if p.is_file() and p.name != MARKER}
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    known = getattr(io, "digests", {}).pop(os.path.abspath(ckpt), None)
+    return {ckpt.name: known or _sha256_file(ckpt)}
+
+
+def verify_digests(path: Path, info: dict, field: str) -> None:
+    """Refuse ``path`` when its content differs from the sha256 its COMPLETED marker ``info`` recorded (a marker
+    of an older moe-lab has none: nothing to verify)."""
+    recorded = info.get("sha256")
+    if not recorded:
+        return
+    actual = content_digests(path)
+    bad = sorted(name for name in set(recorded) | set(actual) if recorded.get(name) != actual.get(name))
+    if bad:
+        where = path if not path.is_dir() else path / bad[0]
+        raise ValueError(f"{field}={path}: {where} does not match the sha256 recorded in its {MARKER} marker "
+                         f"when it was written (corrupted or changed since; torch would load it without noticing). "
+                         f"{complete_beside(path)}")
+
+
+def complete_beside(path: Path) -> str:
+    """One sentence naming the marked checkpoints in ``path``'s directory other than ``path`` (newest first) and the
+    command that resumes the newest (``task.resume`` re-applies the run's own overrides)."""
+    import json
+
+    path = Path(path)
+    marked = [(p.with_name(p.name.removesuffix(f".{MARKER}")), p) for p in path.parent.glob(f"*.{MARKER}")]
+    marked += [(p.parent, p) for p in path.parent.glob(f"*/{MARKER}")]
+    steps = []
+    for ckpt, marker in marked:
+        if ckpt.resolve() == path.resolve() or not ckpt.exists():
+            continue
+        try:
+            steps.append((int(json.loads(marker.read_text()).get("global_step", -1)), ckpt))
+        except (ValueError, OSError):
+            continue
+    if not steps:
+        return "No complete checkpoint beside it: start the run again."
+    steps.sort(key=lambda s: (-s[0], s[1].name))
+    names = ", ".join(f"{ckpt.name} (step {step})" for step, ckpt in steps)
+    return (f"Complete checkpoints beside it: {names}; resume the newest with task.resume={steps[0][1]} (it re-applies "
+            "the run's own overrides).")
 
 
 def _unmark(trainer, ckpt: str | Path) -> None:
@@ -261,14 +340,12 @@ def check_resumable(path: str | Path, field: str, strategy: str) -> None:
         return  # read_checkpoint names the missing file
     marker = marker_path(path)
     if not marker.is_file():
-        done = sorted(p.name.removesuffix(f".{MARKER}") for p in path.parent.glob(f"*.{MARKER}"))
-        done += sorted(p.parent.name for p in path.parent.glob(f"*/{MARKER}"))
         raise ValueError(
             f"{field}={path}: no {MARKER} marker ({marker}), so the checkpoint is half-written (the run stopped "
-            "while saving it) or was written by an older moe-lab. "
-            + (f"Complete checkpoints beside it: {', '.join(done)} (task.ckpt_path=<one of them>)." if done else
-               "No complete checkpoint beside it: start the run again."))
-    written = json.loads(marker.read_text()).get("strategy", "single")
+            f"while saving it) or was written by an older moe-lab. {complete_beside(path)}")
+    info = json.loads(marker.read_text())
+    verify_digests(path, info, field)
+    written = info.get("strategy", "single")
     if _family(written) == _family(strategy):
         if written != strategy and written.startswith("deepspeed"):
             raise ValueError(f"{field}={path} was written under {written}, this run is {strategy}: resume with "
