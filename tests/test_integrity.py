@@ -82,3 +82,52 @@ def test_half_written_hint_names_task_resume_with_the_full_path(tmp_path):
         check_resumable(tmp_path / "last.ckpt", "task.resume", "single")
     msg = str(err.value)
     assert f"task.resume={tmp_path / 'step-4.ckpt'}" in msg and "task.ckpt_path=" not in msg
+
+
+# ---- a non-finite loss or weights stop the run, the last good checkpoint kept (issue 21.7) ---------------------
+def _sft_fit(tmp_path, lr, max_steps=4, callbacks=()):
+    from moe_lab.methods.base import MoELightningModule
+    from tests.conftest import build_tiny, random_batch
+
+    batch = random_batch(batch=4)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    module = MoELightningModule(build_tiny("qwen3_moe"), optim={"lr": lr})
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()],
+                        callbacks=[*callbacks, checkpoint_callback(tmp_path, every_n_train_steps=1, keep_last=3)])
+    with pytest.raises(FloatingPointError) as err:
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(rows, batch_size=1))
+    return module, batch, str(err.value)
+
+
+def test_nan_loss_stops_before_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    """lr=1e20 (the issue's case): step 1's update puts weights at ~1e20, step 2's loss is NaN. The run stops before
+    step 2's update, naming the step and step 1's loss (oracle: vanilla HF's loss of the first batch)."""
+    from tests.conftest import build_tiny
+
+    module, batch, msg = _sft_fit(tmp_path, lr=1e20)
+    first = {k: v[:1] for k, v in batch.items()}
+    with torch.no_grad():
+        expected = build_tiny("qwen3_moe")(**first).loss.item()
+    assert "method=sft: non-finite training loss nan at optimizer step 2" in msg
+    assert f"last finite loss {expected:.6g} (step 1)" in msg and "task.optim.lr" in msg
+    assert module.trainer.global_step == 1 and all(torch.isfinite(p).all() for p in module.parameters())
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step-1.ckpt"]
+    ckpt = read_checkpoint(tmp_path / "last.ckpt")
+    assert ckpt["global_step"] == 1 and all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+
+
+def test_non_finite_weights_are_never_written_to_a_checkpoint(tmp_path):
+    """An update that overflows at step 2 (finite loss, an infinite weight; set by a callback that runs before the
+    checkpoint callback, as Lightning orders them): the checkpoint of step 2 is refused naming the step and the
+    parameter, step 1's stays."""
+    class Overflow(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                with torch.no_grad():
+                    pl_module.model.lm_head.weight[0, 0] = float("inf")
+
+    _, _, msg = _sft_fit(tmp_path, lr=1e-3, callbacks=[Overflow()])
+    assert "weights after optimizer step 2 are not finite (model.lm_head.weight)" in msg and "not written" in msg
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step-1.ckpt"]
+    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 1

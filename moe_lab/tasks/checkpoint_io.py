@@ -277,9 +277,30 @@ def _unmark(trainer, ckpt: str | Path) -> None:
         marker_path(ckpt).unlink(missing_ok=True)
 
 
+def check_finite_weights(trainer, ckpt: Path) -> None:
+    """Refuse to write ``ckpt`` from non-finite weights (each rank checks its own parameters or shards; the ranks
+    agree through one all-reduce), so the checkpoints already written stay the last good ones."""
+    module = trainer.lightning_module
+    bad = next((name for name, p in module.named_parameters()
+                if p.is_floating_point() and p.numel() and not bool(torch.isfinite(p).all())), None)
+    if trainer.world_size > 1:
+        flag = torch.tensor(float(bad is not None), device=trainer.strategy.root_device)
+        if not int(trainer.strategy.reduce(flag, reduce_op="max")):
+            return
+    elif bad is None:
+        return
+    last = getattr(module, "last_finite_loss", None)
+    raise FloatingPointError(
+        f"the weights after optimizer step {trainer.global_step} are not finite ({bad or 'on another rank'}): "
+        f"{ckpt} not written, the checkpoints written before are kept (resume one with task.resume=<run dir>/"
+        f"checkpoints/<file>); last finite loss {'none' if last is None else f'{last:.6g}'}. Lower task.optim.lr")
+
+
 def _save_marked(trainer, ckpt: Path, save=None) -> None:
     """``trainer.save_checkpoint`` then the COMPLETED marker (a directory loses its marker before it is rewritten;
-    a file is replaced atomically, so until then the old one stays complete)."""
+    a file is replaced atomically, so until then the old one stays complete). Non-finite weights are never
+    written (:func:`check_finite_weights`)."""
+    check_finite_weights(trainer, Path(ckpt))
     if Path(ckpt).is_dir():
         _unmark(trainer, ckpt)
     trainer.strategy.barrier("moe_lab.unmark")
