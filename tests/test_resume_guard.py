@@ -13,8 +13,10 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from moe_lab.tasks.checkpoint_io import content_digests, marker_path
+from moe_lab.tasks.resume import resume_checkpoint
 from moe_lab.tasks.run_lock import LOCK_FILE, RunLock
 from tests.test_resume_extend import _run
 
@@ -127,3 +129,59 @@ def test_a_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(RuntimeError) as err:
         RunLock(tmp_path).acquire()
     assert "PID 1234 on host elsewhere" in str(err.value) and str(tmp_path / LOCK_FILE) in str(err.value)
+
+
+# ---- through run.py: a refused command changes nothing of the run's own files (issue 21.9, 21.3, 21.24) ------------
+@pytest.mark.slow
+def test_refused_commands_leave_the_run_files_and_the_plain_resume_works(tmp_path):
+    from tests.test_run import run_py
+
+    out = tmp_path / "run"
+    common = ["logger=none", "callbacks=none", "task.export=false", "dataset.num_examples=12", "dataset.batch_size=2",
+              "dataset.val_fraction=0", "task.trainer.limit_val_batches=0", "task.trainer.val_check_interval=null",
+              *STEPS]
+    run_py(*common, f"hydra.run.dir={out}", cwd=tmp_path)
+    files = [out / ".hydra" / "overrides.yaml", out / ".hydra" / "config.yaml", out / "config.yaml"]
+    before = [f.read_bytes() for f in files]
+    for refused, says in [
+        ([*common, "task.optim.lr=1e-3", f"hydra.run.dir={out}"], f"task.resume={out}"),  # the same dir again
+        ([f"task.resume={out}", "method=frozen_router"], "method.name: sft -> frozen_router"),
+    ]:
+        proc = run_py(*refused, cwd=tmp_path, check=False)
+        assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
+        assert [f.read_bytes() for f in files] == before, refused
+    proc = run_py(f"task.resume={out}", "task.trainer.max_steps=3", cwd=tmp_path)
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 3
+    assert "task.trainer.max_steps=3" in (out / ".hydra" / "overrides.yaml").read_text()  # accepted: recorded
+    typo = run_py(f"task.resume={tmp_path / 'rnu'}", cwd=tmp_path, check=False)
+    assert typo.returncode != 0 and f"task.resume={tmp_path / 'rnu'}: no such run directory" in typo.stderr
+    assert not (tmp_path / "rnu").exists()
+
+
+def test_resume_of_a_missing_or_copied_run_dir_is_refused_before_hydra_runs(tmp_path):
+    """Issue 21.24: a typo is not created as a new directory; a copy without .hydra/ would resume with the default
+    config."""
+    import run
+
+    with pytest.raises(ValueError, match=f"task.resume={tmp_path / 'rnu'}: no such run directory"):
+        run.expand_argv(["run.py", f"task.resume={tmp_path / 'rnu'}"])
+    assert not (tmp_path / "rnu").exists()
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "config.yaml").write_text("seed: 1\n")
+    with pytest.raises(ValueError, match=r"\.hydra/overrides.yaml is missing .*copy \.hydra/ too"):
+        run.expand_argv(["run.py", f"task.resume={tmp_path / 'copy'}"])
+
+
+def test_resume_by_a_deepspeed_checkpoint_directory_runs_in_its_run_dir(tmp_path):
+    """The hint names task.resume=<run dir>/checkpoints/step-N.ckpt, a directory under DeepSpeed."""
+    import run
+
+    ckpt = tmp_path / "checkpoints" / "step-4.ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step4")
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- seed=3\n")
+    args = run.expand_argv(["run.py", f"task.resume={ckpt}"])
+    assert args[1:] == ["seed=3", f"task.resume={ckpt}", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    cfg = OmegaConf.create({"task": {"resume": str(ckpt), "ckpt_path": None}})
+    assert resume_checkpoint(cfg) == (ckpt, "task.resume")

@@ -30,6 +30,8 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
     resume = cfg.task.get("resume")
     if resume:
         path = Path(str(resume)).expanduser()
+        if path.is_dir() and (path / "latest").is_file():  # a DeepSpeed checkpoint directory
+            return path, "task.resume"
         if path.is_dir():
             ckpt = path / "checkpoints" / "last.ckpt"
             if not ckpt.exists():  # a file, or a DeepSpeed checkpoint directory
