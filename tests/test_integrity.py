@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import stat
 
 import lightning as L
 import pytest
 import torch
 
 from moe_lab.tasks.checkpoint_io import (
+    MARKER,
     AtomicCheckpointIO,
     check_resumable,
     checkpoint_callback,
@@ -131,3 +135,27 @@ def test_non_finite_weights_are_never_written_to_a_checkpoint(tmp_path):
     assert "weights after optimizer step 2 are not finite (model.lm_head.weight)" in msg and "not written" in msg
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step-1.ckpt"]
     assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 1
+
+
+# ---- file modes and stale temporaries (issue 21.21, 21.20) ------------------------------------------------------
+def test_checkpoints_and_markers_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        _fit(tmp_path, keep_last=0, max_steps=1)
+    finally:
+        os.umask(old)
+    for name in ("last.ckpt", f"last.ckpt.{MARKER}"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+
+
+def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_path, caplog):
+    from moe_lab.tasks.checkpoint_io import remove_stale_temporaries
+
+    (tmp_path / ".last.ckpt.k2j3.tmp").write_bytes(b"half")
+    (tmp_path / f".last.ckpt.{MARKER}.tmp").write_text("{")
+    (tmp_path / "keep.tmp").write_text("not ours")
+    with caplog.at_level(logging.INFO, logger="moe_lab.tasks.checkpoint_io"):
+        remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp"]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "2 partial files" in line and ".last.ckpt.k2j3.tmp" in line

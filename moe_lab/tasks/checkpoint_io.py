@@ -4,6 +4,7 @@ SIGUSR1, and reading a checkpoint back with errors that say what it is."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
 
 
 class _HashingWriter:
@@ -31,6 +34,30 @@ class _HashingWriter:
         self.f.flush()
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process umask: what ``open()`` gives a new file (``mkstemp`` gives 0600 whatever the
+    umask, so colleagues on a shared filesystem could not read a checkpoint)."""
+    try:  # Linux: read without changing it (os.umask would, for a moment, for every thread)
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0)
+        os.umask(umask)
+    return mode & ~umask
+
+
+def remove_stale_temporaries(ckpt_dir: str | Path) -> None:
+    """Remove the partial files (``.<name>.*.tmp``) that a run killed while writing a checkpoint or a marker left in
+    ``ckpt_dir``, with one line; called at the start of a run that holds the directory's lock."""
+    ckpt_dir = Path(ckpt_dir)
+    stale = sorted(ckpt_dir.glob(".*.tmp")) if ckpt_dir.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d partial files of an earlier run killed while writing in %s: %s", len(stale), ckpt_dir,
+                 ", ".join(p.name for p in stale))
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves to a temporary file in the target directory, fsyncs, then renames over the target. The file's sha256
     is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker."""
@@ -44,6 +71,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, umask_mode())
             with os.fdopen(fd, "wb") as f:
                 writer = _HashingWriter(f)
                 torch.save(checkpoint, writer)
@@ -210,7 +238,7 @@ def mark_completed(trainer, ckpt: str | Path) -> None:
             "world_size": int(trainer.world_size), "sha256": content_digests(Path(ckpt), trainer)}
     target = marker_path(ckpt)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(info) + "\n")
+    tmp.write_text(json.dumps(info) + "\n")  # open(): the umask's mode
     os.replace(tmp, target)
 
 

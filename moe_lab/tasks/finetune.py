@@ -28,6 +28,7 @@ from .checkpoint_io import (
     check_resumable,
     checkpoint_callback,
     read_checkpoint,
+    remove_stale_temporaries,
 )
 from .resume import (
     History,
@@ -121,6 +122,7 @@ def finetune(cfg: DictConfig) -> dict:
 
 def _finetune(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
+    remove_stale_temporaries(out / "checkpoints")  # of a run killed while writing (this one holds the lock)
     slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
     if ckpt_path is None:
