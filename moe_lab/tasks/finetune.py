@@ -116,13 +116,14 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``. The run
     directory is locked for the run (a second run into it is refused, :class:`~.run_lock.RunLock`)."""
-    with RunLock(cfg.paths.output_dir):
+    with RunLock(cfg.paths.output_dir) as lock:
+        if lock.held:  # rank zero: no other process of this run writes yet
+            remove_stale_temporaries(Path(cfg.paths.output_dir) / "checkpoints")  # of a run killed while writing
         return _finetune(cfg)
 
 
 def _finetune(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
-    remove_stale_temporaries(out / "checkpoints")  # of a run killed while writing (this one holds the lock)
     slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
     if ckpt_path is None:
