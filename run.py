@@ -174,7 +174,12 @@ def main(cfg: DictConfig):
         summary = run_task(cfg)
         accept_run()  # a task that does not accept a run itself: its files once it has succeeded
     except RunInterrupted:
-        print(f"Resume with: python {Path(sys.argv[0]).name} task.resume={out}", flush=True)
+        from moe_lab.tasks.checkpoint_io import marker_path
+
+        if marker_path(out / "checkpoints" / "last.ckpt").is_file():
+            print(f"Resume with: python {Path(sys.argv[0]).name} task.resume={out}", flush=True)
+        else:
+            print("No complete checkpoint was written: start the run again", flush=True)
         raise
     finally:
         import wandb

@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moe_lab.tasks.checkpoint_io import content_digests, marker_path
+from moe_lab.tasks.checkpoint_io import CheckpointOnSignal, content_digests, marker_path, read_checkpoint
 from moe_lab.tasks.resume import resume_checkpoint
 from moe_lab.tasks.run_lock import LOCK_FILE, RunLock
 from tests.test_resume_extend import _run
@@ -185,3 +187,30 @@ def test_resume_by_a_deepspeed_checkpoint_directory_runs_in_its_run_dir(tmp_path
     assert args[1:] == ["seed=3", f"task.resume={ckpt}", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
     cfg = OmegaConf.create({"task": {"resume": str(ckpt), "ckpt_path": None}})
     assert resume_checkpoint(cfg) == (ckpt, "task.resume")
+
+
+class DoubleCtrlC(L.Callback):
+    """Two SIGINTs at step 2, before its checkpoint: the second aborts (CheckpointOnSignal's own handler)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            handler = next(c for c in trainer.callbacks if isinstance(c, CheckpointOnSignal))
+            handler._handle(signal.SIGINT, None)
+            handler._handle(signal.SIGINT, None)
+
+
+def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_kept(tmp_path, capsys):
+    """Issue 21.19: before, Lightning's exit(1) with no 'Resume with:' line."""
+    from moe_lab.tasks.finetune import RunInterrupted
+
+    out = tmp_path / "run"
+    try:
+        with pytest.raises(RunInterrupted) as err:
+            _run(out, "task.trainer.max_steps=4", "task.checkpoint_every_n_steps=1",
+                 "+callbacks.double._target_=tests.test_resume_guard.DoubleCtrlC")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT after a KeyboardInterrupt
+    assert err.value.code == 128 + signal.SIGINT
+    assert "second Ctrl-C" in capsys.readouterr().err
+    assert read_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 1
+    assert not (out / LOCK_FILE).exists()

@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -163,6 +164,11 @@ def _finetune(cfg: DictConfig) -> dict:
     except SIGTERMException:
         if on_signal.saved is None:
             raise
+    except SystemExit:  # Lightning's exit(1) after the KeyboardInterrupt of a second Ctrl-C
+        if on_signal.signum is None or on_signal.saved is not None:
+            raise
+        print("second Ctrl-C: stopped without writing a new checkpoint", file=sys.stderr, flush=True)
+        raise RunInterrupted(128 + int(signal.SIGINT)) from None
     except ValueError as err:  # torch's optimizer-state error when an allowed method change trains other parameters
         if ckpt_path is None or "parameter group" not in str(err):
             raise
