@@ -92,12 +92,38 @@ def _run_dir_of(resume: str) -> Path:
     return path.parent.parent if path.is_file() or (path / "latest").is_file() else path
 
 
+#: tasks that task.resume=<run dir> continues; how every other kind of run resumes
+RESUMED_BY_TASK_RESUME = ("finetune", "cd_moe_sft")
+HOW_IT_RESUMES = {
+    "calibrate": "run the same command again with hydra.run.dir=<run dir> (it continues "
+                 "<run dir>/calibration.partial.safetensors), or point compress.calibration.resume_from at that file",
+    "evaluate": "run the same command again with hydra.run.dir=<run dir>: the sets continue from the predictions "
+                "already written",
+    "condenser_two_phase": "task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/"
+                           "checkpoints/last.ckpt",
+}
+
+
+def _task_of(run_dir: Path) -> str | None:
+    """The task of the run in ``run_dir`` (its config.yaml, else its overrides; None: unknown)."""
+    if (run_dir / "config.yaml").is_file():
+        name = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "task.name")
+        if name:
+            return str(name)
+    saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+    if saved.is_file():
+        return next((o.split("=", 1)[1] for o in OmegaConf.to_container(OmegaConf.load(saved)) if _key(o) == "task"),
+                    "finetune")
+    return None
+
+
 def expand_argv(argv: list[str]) -> list[str]:
     """Command-line conveniences, applied before Hydra parses it:
 
     * ``task.resume=<run dir>`` re-applies that run's overrides (from ``<run dir>/.hydra/overrides.yaml``;
       overrides given now win) and runs in that directory (a path that does not exist, or a run directory copied
-      without ``.hydra/``, is refused: ``ValueError``);
+      without ``.hydra/``, or a run of a task that task.resume does not continue, is refused: ``ValueError``, naming
+      how that kind resumes);
     * into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``), Hydra writes no
       ``.hydra/``: the run's own files change only once the task accepts the run (:data:`_DEFERRED_SUBDIR`);
     * ``method.options.<name>=v`` may name any option (``++``), so that a misspelt one is refused by the
@@ -111,6 +137,10 @@ def expand_argv(argv: list[str]) -> list[str]:
     run_dir = None
     if resume and not multirun:
         run_dir = _run_dir_of(resume)
+        kind = _task_of(run_dir)
+        if kind is not None and kind not in RESUMED_BY_TASK_RESUME:
+            raise ValueError(f"task.resume={resume}: {run_dir} is a task={kind} run, which task.resume does not "
+                             f"continue: {HOW_IT_RESUMES.get(kind, 'it does not resume, run it again')}")
         saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
         if not saved.is_file() and (run_dir / "config.yaml").is_file():
             raise ValueError(f"task.resume={resume}: {saved} is missing (a run directory copied without its hidden "

@@ -214,3 +214,20 @@ def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_ke
     assert "second Ctrl-C" in capsys.readouterr().err
     assert read_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 1
     assert not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize(("task", "says"), [
+    ("calibrate", "calibration.partial.safetensors"),
+    ("evaluate", "predictions already written"),
+    ("teacher_logits", "does not resume"),
+])
+def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_path, task, says):
+    """Issue 21.25: before, Hydra's '+task.resume' hint (calibrate, evaluate) or silently ignored (teacher_logits)."""
+    import run
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- task={task}\n")
+    (tmp_path / "config.yaml").write_text(f"task:\n  name: {task}\n")
+    with pytest.raises(ValueError) as err:
+        run.expand_argv(["run.py", f"task.resume={tmp_path}"])
+    assert f"{tmp_path} is a task={task} run" in str(err.value) and says in str(err.value)
