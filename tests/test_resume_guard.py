@@ -64,9 +64,12 @@ def test_resume_that_changes_the_trajectory_is_refused(finished, override, chang
 def test_frozen_router_on_an_sft_run_is_refused_naming_both(finished):
     with pytest.raises(ValueError, match=r"method.name: sft -> frozen_router"):
         _run(finished, *STEPS, f"task.resume={finished}", "method=frozen_router")
-    # allowed, it still cannot restore sft's optimizer state for other trainable parameters: refused, naming both
+    # allowed, it still cannot restore sft's optimizer state for other trainable parameters: refused, naming both,
+    # before any file of the run changes
+    before = _snapshot(finished)
     with pytest.raises(ValueError, match=r"method=frozen_router.*sft.*optimizer state"):
         _run(finished, *STEPS, f"task.resume={finished}", "method=frozen_router", "task.allow_resume_changes=true")
+    assert _snapshot(finished) == before
 
 
 def test_world_size_recorded_in_the_checkpoint_is_checked(tmp_path):

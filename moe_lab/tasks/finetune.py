@@ -37,6 +37,8 @@ from .resume import (
     accept_run,
     check_changes,
     check_progress,
+    check_trainable,
+    other_parameters,
     pin_wandb_run,
     refuse_existing_run,
     resume_checkpoint,
@@ -144,6 +146,7 @@ def _finetune(cfg: DictConfig) -> dict:
                          _recursive_=False)
     if ckpt is not None:
         check_matches(ckpt, ckpt_path, module, f"{cfg.model.name} / {cfg.method.name}", field)
+        check_trainable(ckpt, ckpt_path, module, cfg, field, recorded)
         del ckpt
     accept_run()  # run.py's config.yaml and .hydra/, held back until a resume is accepted
     history = History(ckpt_path, resumed_step, out)
@@ -172,11 +175,7 @@ def _finetune(cfg: DictConfig) -> dict:
     except ValueError as err:  # torch's optimizer-state error when an allowed method change trains other parameters
         if ckpt_path is None or "parameter group" not in str(err):
             raise
-        was = (recorded or {}).get("method.name", "another method")
-        raise ValueError(f"{field}={ckpt_path}: method={cfg.method.name} trains other parameters than the "
-                         f"checkpoint's method={was}, so its optimizer state cannot be restored. Resume with "
-                         f"method={was}, or start a new run from its weights (model.pretrained=<run dir>/export)"
-                         ) from None
+        raise other_parameters(field, ckpt_path, cfg.method.name, recorded) from None
     interrupted = on_signal.saved is not None
     summary = {"wall_time_s": round(clock.wall_time_s, 1), "wall_time_this_run_s": round(clock.this_run_s, 1),
                "global_step": trainer.global_step, "resumed_from_step": resumed_step or None,

@@ -241,8 +241,10 @@ def _recorded(ckpt: dict, path: Path) -> dict | None:
     marker = marker_path(path)
     if config is None or not marker.is_file():
         return None
-    world = json.loads(marker.read_text()).get("world_size", 1)
-    return run_record(OmegaConf.load(config), world)
+    try:
+        return run_record(OmegaConf.load(config), json.loads(marker.read_text()).get("world_size", 1))
+    except Exception:  # noqa: BLE001 - not a finetune run's config: nothing to compare against
+        return None
 
 
 def check_changes(ckpt: dict, path: Path, cfg: DictConfig, field: str) -> dict | None:
@@ -268,6 +270,26 @@ def check_changes(ckpt: dict, path: Path, cfg: DictConfig, field: str) -> dict |
         allowed = f" (allowed by {ALLOW_FIELD})" if key.startswith(TRAJECTORY) else ""
         log.warning("%s: %s: %s -> %s differs from the checkpoint's run%s", field, key, before, after, allowed)
     return old
+
+
+def other_parameters(field: str, path: Path, method: str, recorded: dict | None) -> ValueError:
+    """The refusal of a method change (allowed) whose method trains other parameters than the checkpoint's."""
+    was = (recorded or {}).get("method.name", "another method")
+    return ValueError(f"{field}={path}: method={method} trains other parameters than the checkpoint's method={was}, "
+                      f"so its optimizer state cannot be restored. Resume with method={was}, or start a new run from "
+                      "its weights (model.pretrained=<run dir>/export)")
+
+
+def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str, recorded: dict | None) -> None:
+    """After an allowed method change: refuse when the new method trains another number of parameters than the
+    checkpoint's optimizer state holds (before any file of the run is touched, instead of torch's parameter-group
+    error inside the fit)."""
+    if not recorded or recorded.get("method.name") == cfg.method.name or not ckpt.get("optimizer_states"):
+        return
+    saved = sum(len(g["params"]) for g in ckpt["optimizer_states"][0].get("param_groups", []))
+    trained = sum(1 for p in module.parameters() if p.requires_grad)
+    if saved != trained:
+        raise other_parameters(field, path, cfg.method.name, recorded)
 
 
 def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
