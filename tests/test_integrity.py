@@ -159,3 +159,23 @@ def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp"]
     [line] = [r.getMessage() for r in caplog.records]
     assert "2 partial files" in line and ".last.ckpt.k2j3.tmp" in line
+
+
+def test_deepspeed_directory_is_verified_file_by_file(tmp_path):
+    """A DeepSpeed checkpoint directory: one digest per file (rank files included); one changed file is named."""
+    from moe_lab.tasks.checkpoint_io import content_digests
+
+    ckpt = tmp_path / "step-2.ckpt"
+    (ckpt / "global_step2").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step2")
+    for rank in range(2):
+        (ckpt / "global_step2" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(bytes([rank]) * 100)
+    digests = content_digests(ckpt)
+    assert digests == {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
+                       for p in ckpt.rglob("*") if p.is_file()}
+    (ckpt / MARKER).write_text(json.dumps({"global_step": 2, "strategy": "deepspeed_zero2", "world_size": 2,
+                                           "sha256": digests}))
+    check_resumable(ckpt, "task.resume", "deepspeed_zero2")
+    _flip_bytes(ckpt / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt does not match the sha256"):
+        check_resumable(ckpt, "task.resume", "deepspeed_zero2")
