@@ -135,7 +135,10 @@ def expand_argv(argv: list[str]) -> list[str]:
     multirun = bool({"-m", "--multirun"} & set(args))
     given = {_key(a) for a in args if not a.startswith("-")}
     run_dir = None
-    if resume and not multirun:
+    if resume and multirun:
+        raise ValueError(f"task.resume={resume}: task.resume does not work under -m (a sweep job would continue the "
+                         "checkpoint in a new sweep directory with the default config): resume each run without -m")
+    if resume:
         run_dir = _run_dir_of(resume)
         kind = _task_of(run_dir)
         if kind is not None and kind not in RESUMED_BY_TASK_RESUME:

@@ -234,3 +234,11 @@ def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_
     with pytest.raises(ValueError) as err:
         run.expand_argv(["run.py", f"task.resume={tmp_path}"])
     assert f"{tmp_path} is a task={task} run" in str(err.value) and says in str(err.value)
+
+
+def test_resume_under_multirun_is_refused(tmp_path):
+    """Issue 21.10: under -m, task.resume continued the checkpoint in a new sweep directory with the default config."""
+    import run
+
+    with pytest.raises(ValueError, match=r"task.resume does not work under -m .* without -m"):
+        run.expand_argv(["run.py", "-m", f"task.resume={tmp_path}"])
