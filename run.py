@@ -78,27 +78,107 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
+#: set by expand_argv when the run directory already holds a run: Hydra writes no .hydra/ there; main hands the
+#: writing of config.yaml and .hydra/ to the task, which does it once a resume is accepted
+_DEFERRED_SUBDIR: str | None = None
+HYDRA_SUBDIR = ".hydra"
+
+
+def _run_dir_of(resume: str) -> Path:
+    """The run directory of ``task.resume=<run dir | checkpoint file | DeepSpeed checkpoint directory>``."""
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise ValueError(f"task.resume={resume}: no such run directory or checkpoint file (nothing was created)")
+    return path.parent.parent if path.is_file() or (path / "latest").is_file() else path
+
+
+#: tasks that task.resume=<run dir> continues; how every other kind of run resumes
+RESUMED_BY_TASK_RESUME = ("finetune", "cd_moe_sft")
+HOW_IT_RESUMES = {
+    "calibrate": "run the same command again with hydra.run.dir=<run dir> (it continues "
+                 "<run dir>/calibration.partial.safetensors), or point compress.calibration.resume_from at that file",
+    "evaluate": "run the same command again with hydra.run.dir=<run dir>: the sets continue from the predictions "
+                "already written",
+    "condenser_two_phase": "task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/"
+                           "checkpoints/last.ckpt",
+}
+
+
+def _task_of(run_dir: Path) -> str | None:
+    """The task of the run in ``run_dir`` (its config.yaml, else its overrides; None: unknown)."""
+    if (run_dir / "config.yaml").is_file():
+        name = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "task.name")
+        if name:
+            return str(name)
+    saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+    if saved.is_file():
+        return next((o.split("=", 1)[1] for o in OmegaConf.to_container(OmegaConf.load(saved)) if _key(o) == "task"),
+                    "finetune")
+    return None
+
+
 def expand_argv(argv: list[str]) -> list[str]:
     """Command-line conveniences, applied before Hydra parses it:
 
     * ``task.resume=<run dir>`` re-applies that run's overrides (from ``<run dir>/.hydra/overrides.yaml``;
-      overrides given now win) and runs in that directory;
+      overrides given now win) and runs in that directory (a path that does not exist, or a run directory copied
+      without ``.hydra/``, or a run of a task that task.resume does not continue, is refused: ``ValueError``, naming
+      how that kind resumes);
+    * into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``), Hydra writes no
+      ``.hydra/``: the run's own files change only once the task accepts the run (:data:`_DEFERRED_SUBDIR`);
     * ``method.options.<name>=v`` may name any option (``++``), so that a misspelt one is refused by the
       method itself with the list of valid options, instead of by Hydra with a ``+`` hint that fails too.
     """
+    global _DEFERRED_SUBDIR
     args = [f"++{a}" if a.startswith("method.options.") and "=" in a else a for a in argv[1:]]
     resume = next((a.split("=", 1)[1] for a in args if a.startswith("task.resume=")), None)
-    if resume and not {"-m", "--multirun"} & set(args):
-        run_dir = Path(resume).expanduser()
-        run_dir = run_dir.parent.parent if run_dir.is_file() else run_dir
-        saved = run_dir / ".hydra" / "overrides.yaml"
-        given = {_key(a) for a in args if not a.startswith("-")}
+    multirun = bool({"-m", "--multirun"} & set(args))
+    given = {_key(a) for a in args if not a.startswith("-")}
+    run_dir = None
+    if resume and multirun:
+        raise ValueError(f"task.resume={resume}: task.resume does not work under -m (a sweep job would continue the "
+                         "checkpoint in a new sweep directory with the default config): resume each run without -m")
+    if resume:
+        run_dir = _run_dir_of(resume)
+        kind = _task_of(run_dir)
+        if kind is not None and kind not in RESUMED_BY_TASK_RESUME:
+            raise ValueError(f"task.resume={resume}: {run_dir} is a task={kind} run, which task.resume does not "
+                             f"continue: {HOW_IT_RESUMES.get(kind, 'it does not resume, run it again')}")
+        saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+        if not saved.is_file() and (run_dir / "config.yaml").is_file():
+            raise ValueError(f"task.resume={resume}: {saved} is missing (a run directory copied without its hidden "
+                             f"{HYDRA_SUBDIR}/?), so the run's own overrides cannot be re-applied: copy {HYDRA_SUBDIR}/ "
+                             "too, or give the run's overrides again with task.ckpt_path=<checkpoint> instead")
         dropped = given | {"task.resume", "task.ckpt_path"}
         carried = [o for o in (OmegaConf.to_container(OmegaConf.load(saved)) if saved.is_file() else [])
                    if _key(o) not in dropped]
         here = [] if "hydra.run.dir" in given else [f"hydra.run.dir={run_dir}"]
         args = [*carried, *args, *here]
+    pinned = next((a.split("=", 1)[1] for a in reversed(args) if _key(a) == "hydra.run.dir"), None)
+    if pinned and not multirun:
+        run_dir = Path(pinned).expanduser()
+    if run_dir is not None and (run_dir / HYDRA_SUBDIR).is_dir() and "hydra.output_subdir" not in given:
+        args.append("hydra.output_subdir=null")
+        _DEFERRED_SUBDIR = HYDRA_SUBDIR
     return [argv[0], *args]
+
+
+def write_run_files(cfg: DictConfig, out: Path, subdir: str | None) -> None:
+    """``<out>/config.yaml`` (resolved) and, when Hydra was told not to (``subdir``), ``<out>/<subdir>/`` as Hydra
+    writes it (config.yaml, hydra.yaml, overrides.yaml); rank zero only."""
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if subdir and HydraConfig.initialized():
+        hydra_dir = out / subdir
+        hydra_dir.mkdir(parents=True, exist_ok=True)
+        hydra_cfg = HydraConfig.instance().cfg
+        for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra_cfg),
+                           ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+            (hydra_dir / name).write_text(OmegaConf.to_yaml(node))
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -106,6 +186,7 @@ def main(cfg: DictConfig):
     from moe_lab.tasks import run_task
     from moe_lab.tasks.finetune import RunInterrupted
     from moe_lab.tasks.preflight import preflight
+    from moe_lab.tasks.resume import accept_run, defer_run_files
 
     _quiet()
     if not sys.stdout.isatty():  # carriage-return bars of file writes are noise in logs and CI
@@ -118,12 +199,20 @@ def main(cfg: DictConfig):
 
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))
+    if _DEFERRED_SUBDIR is None:
+        accept_run()  # a new run directory: written now
     preflight(cfg)
     try:
         summary = run_task(cfg)
+        accept_run()  # a task that does not accept a run itself: its files once it has succeeded
     except RunInterrupted:
-        print(f"Resume with: python {Path(sys.argv[0]).name} task.resume={out}", flush=True)
+        from moe_lab.tasks.checkpoint_io import marker_path
+
+        if marker_path(out / "checkpoints" / "last.ckpt").is_file():
+            print(f"Resume with: python {Path(sys.argv[0]).name} task.resume={out}", flush=True)
+        else:
+            print("No complete checkpoint was written: start the run again", flush=True)
         raise
     finally:
         import wandb
@@ -136,5 +225,8 @@ def main(cfg: DictConfig):
 
 if __name__ == "__main__":
     _quiet()
-    sys.argv = expand_argv(sys.argv)
+    try:
+        sys.argv = expand_argv(sys.argv)
+    except ValueError as err:
+        sys.exit(f"Error: {err}")
     main()

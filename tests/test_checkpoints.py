@@ -4,6 +4,7 @@ vanilla HF export."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -56,7 +57,8 @@ def test_each_finished_checkpoint_is_marked_and_only_the_last_n_kept(tmp_path, k
     for name in expected:
         info = json.loads(marker_path(tmp_path / name).read_text())
         step = torch.load(tmp_path / name, weights_only=True)["global_step"]
-        assert info == {"global_step": step, "strategy": "single", "world_size": 1}
+        assert info == {"global_step": step, "strategy": "single", "world_size": 1,
+                        "sha256": {name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}}
         check_resumable(tmp_path / name, "task.ckpt_path", "single")
 
 
@@ -72,7 +74,7 @@ def test_half_written_checkpoint_is_refused_naming_the_complete_ones(tmp_path):
         check_resumable(tmp_path / "last.ckpt", "task.resume", "single")
     msg = str(err.value)
     assert msg.startswith(f"task.resume={tmp_path / 'last.ckpt'}: no {MARKER} marker") and "half-written" in msg
-    assert "step-5.ckpt, step-6.ckpt" in msg
+    assert "step-6.ckpt (step 6), step-5.ckpt (step 5)" in msg
 
 
 def _marked_dir(tmp_path, strategy):

@@ -152,7 +152,8 @@ def test_garbage_checkpoint_is_not_a_moe_lab_checkpoint(tmp_path):
     bad.write_bytes(b"definitely not a checkpoint" * 10)
     with pytest.raises(ValueError) as err:
         read_checkpoint(bad, "task.ckpt_path")
-    assert f"task.ckpt_path={bad} is not a moe-lab checkpoint" in str(err.value)
+    assert f"task.ckpt_path={bad}: torch cannot read it" in str(err.value)
+    assert "truncated or corrupted" in str(err.value) and "No complete checkpoint beside it" in str(err.value)
     assert "weights_only" not in str(err.value)
     torch.save({"state_dict": {}}, bad)  # a torch file, but not one of ours
     with pytest.raises(ValueError, match="is not a moe-lab checkpoint"):

@@ -53,7 +53,7 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` with ``state_dict()``/``load_state_dict()``: ``{"epoch", "batches"}`` yielded so far.
+    """A ``DataLoader`` with ``state_dict()``/``load_state_dict()``: ``{"epoch", "batches", "examples"}`` yielded so far.
 
     After ``load_state_dict`` the next iteration of the same epoch starts after ``batches`` batches (with a
     ``ResumableSampler`` by skipping indices, otherwise by drawing and dropping them); an iteration of a
@@ -88,31 +88,51 @@ class ResumableDataLoader(DataLoader):
     def _iterate(self) -> Iterator[Any]:
         epoch = self._epoch()
         self._iterations = epoch + 1
-        start = self._pending["batches"] if self._pending and self._pending["epoch"] == epoch else 0
+        pending = self._pending if self._pending and self._pending["epoch"] == epoch else {}
+        start, size = pending.get("batches", 0), self.batch_size
+        examples = pending.get("examples", start * (size or 0))
         self._pending = None
+        if size is not None and examples != start * size:  # resumed with another batch size: the examples count
+            if isinstance(self.sampler, ResumableSampler):
+                start = examples // size
+            elif examples % size:
+                raise ValueError(f"the checkpoint's loader position is {examples} examples, not a whole number of "
+                                 f"batches of dataset.batch_size={size} (this dataset cannot skip single examples): "
+                                 "resume with the run's own batch size or a divisor of the examples seen")
+            else:
+                start = examples // size
         self._progress = {"epoch": epoch, "batches": start}
+        if size is not None:
+            self._progress["examples"] = examples
         drop = start
-        if start and isinstance(self.sampler, ResumableSampler) and self.batch_size is not None:
-            self.sampler.skip, drop = start * self.batch_size, 0
+        if (start or examples) and isinstance(self.sampler, ResumableSampler) and size is not None:
+            self.sampler.skip, drop = examples, 0
         batches = itertools.islice(super().__iter__(), drop, None)
         if self._window is not None:
             batches = _stamp_windows(batches, start, *self._window)
         for batch in batches:
             self._progress["batches"] += 1  # handed out = consumed (Lightning does not prefetch a sized loader)
+            if size is not None:
+                self._progress["examples"] += size
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": e, "batches": n}``: ``n`` batches of epoch ``e`` have been handed out."""
+        """``{"epoch": e, "batches": n, "examples": m}``: ``n`` batches (``m`` examples: batches x batch size; absent
+        without a batch size) of epoch ``e`` have been handed out. The examples count lets a resume with another
+        batch size continue after the same examples."""
         if self._pending is not None:
             return dict(self._pending)
         if self._progress is not None:
             return dict(self._progress)
-        return {"epoch": self._epoch(), "batches": 0}
+        return {"epoch": self._epoch(), "batches": 0, **({"examples": 0} if self.batch_size is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``: the next iteration of epoch ``state["epoch"]`` skips ``batches``."""
+        """Resume from ``state_dict()``: the next iteration of epoch ``state["epoch"]`` skips ``examples`` (a state
+        without them: ``batches`` batches)."""
         try:
             pending = {"epoch": int(state["epoch"]), "batches": int(state["batches"])}
+            if "examples" in state:
+                pending["examples"] = int(state["examples"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"Not a ResumableDataLoader state (needs integer 'epoch' and 'batches'): {state!r}") from err
         self._pending = pending

@@ -59,6 +59,9 @@ def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_
     optimizer.register_step_post_hook(decay)
 
 
+GUARD_KEY = "moe_lab_guard"  # checkpoint entry: the last finite training loss and its step
+
+
 class MoELightningModule(L.LightningModule):
     """Wraps an HF MoE model patched by ``moe_lab.apply(model, method, **options)``.
 
@@ -94,6 +97,7 @@ class MoELightningModule(L.LightningModule):
                               **(_plain(scheduler) or {})}
         if gradient_checkpointing:
             model.activation_checkpointing_enable()
+        self._init_guard()
         # val/loss and val/ppl: token-weighted over all batches and ranks (torchmetrics syncs at epoch end)
         self.val_loss_metric, self.val_ppl_metric = MeanMetric(), ExpMeanMetric()
         self.save_hyperparameters({  # plain containers only: checkpoints load with weights_only=True
@@ -102,6 +106,46 @@ class MoELightningModule(L.LightningModule):
             "gradient_checkpointing": gradient_checkpointing, "lora": _plain(lora),
             "master_weights": master_weights,
         })
+
+    # ---- the non-finite guard (every method; method=kd feeds it its own window loss) -------------------------
+    def _init_guard(self) -> None:
+        self.last_finite_loss: float | None = None
+        self.last_finite_step: int | None = None
+        self._window_loss, self._window_batches = None, 0
+
+    def check_finite_loss(self, loss: float, what: str = "training", hint: str = "lower task.optim.lr") -> None:
+        """Stop before the optimizer step about to apply a window whose (all-rank) loss is not finite: its update
+        would write non-finite weights into the next checkpoint. Raises ``FloatingPointError`` naming that step and
+        the last finite loss (the checkpoints written so far are kept); else records ``loss`` as the last finite."""
+        step = self.trainer.global_step + 1
+        if not math.isfinite(loss):
+            last = "none" if self.last_finite_loss is None else \
+                f"{self.last_finite_loss:.6g} (step {self.last_finite_step})"
+            raise FloatingPointError(
+                f"method={self.hparams.get('name') or self.method}: non-finite {what} loss {loss} at optimizer step "
+                f"{step}; last finite loss {last}. Stopped before this step's update: the checkpoints written so far "
+                f"hold finite weights (resume one with task.resume=<run dir>/checkpoints/<file>); {hint}")
+        self.last_finite_loss, self.last_finite_step = loss, step
+
+    def on_after_backward(self):
+        """At the last micro-batch of an accumulation window (Lightning's own test, DeepSpeed included): the
+        window's mean loss over micro-batches and ranks (one all-reduce) through :meth:`check_finite_loss`."""
+        trainer = self.trainer
+        if self._window_loss is None or trainer.fit_loop._should_accumulate():
+            return
+        stats = torch.stack([self._window_loss.double(), torch.tensor(float(self._window_batches),
+                                                                         dtype=torch.float64, device=self.device)])
+        self._window_loss, self._window_batches = None, 0
+        stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        self.check_finite_loss(float(stats[0]) / max(float(stats[1]), 1.0))
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint[GUARD_KEY] = {"last_finite_loss": self.last_finite_loss, "last_finite_step": self.last_finite_step}
+
+    def on_load_checkpoint(self, checkpoint):
+        guard = checkpoint.get(GUARD_KEY) or {}
+        self.last_finite_loss = guard.get("last_finite_loss", self.last_finite_loss)
+        self.last_finite_step = guard.get("last_finite_step", self.last_finite_step)
 
     def _resolve_aux_loss_coef(self, coef) -> float:
         spec = self.patch.spec
@@ -152,6 +196,9 @@ class MoELightningModule(L.LightningModule):
         on_step = stage == "train"
         batch_size = batch["input_ids"].shape[0]
         if on_step:
+            detached = loss.detach().float()
+            self._window_loss = detached if self._window_loss is None else self._window_loss + detached
+            self._window_batches += 1
             self.log(f"{stage}/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
             self.log(f"{stage}/lm_loss", lm_loss.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
         else:  # val/loss and val/ppl: the language-model CE alone (val/aux_loss is logged apart)

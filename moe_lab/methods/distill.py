@@ -226,7 +226,7 @@ class KDModule(MoELightningModule):
             self._check_pair()
         self._window_sum = 0.0
         self._window_tokens = 0
-        self.last_finite_loss = None
+        self._init_guard()  # the dense-student path skips the base __init__
         self.kd_stats: dict[str, float] = {}
 
     def _use_record(self) -> None:
@@ -433,12 +433,7 @@ class KDModule(MoELightningModule):
         tokens = max(float(seen), 1.0)
         self._window_sum, self._window_tokens = 0.0, 0
         loss = total / tokens
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"method=kd: non-finite distillation loss {loss} at optimizer step {trainer.global_step + 1}; "
-                f"last finite loss {self.last_finite_loss} (the last checkpoint was kept; lower the learning "
-                "rate or check the teacher's logits)")
-        self.last_finite_loss = loss
+        self.check_finite_loss(loss, "distillation", "lower task.optim.lr or check the teacher's logits")
         if self.normalised_by == "gradients":
             factor = trainer.accumulate_grad_batches * trainer.world_size / tokens
             for p in self.model.parameters():
@@ -453,15 +448,16 @@ class KDModule(MoELightningModule):
         self.log("train/tokens", tokens, on_step=True, batch_size=1)
 
     def on_save_checkpoint(self, checkpoint):
+        super().on_save_checkpoint(checkpoint)
         state = checkpoint.setdefault("moe_lab_kd", {})
-        state["last_finite_loss"] = self.last_finite_loss
         if self.record is not None:
             state["teacher_logits"] = self.record.state_dict()
 
     def on_load_checkpoint(self, checkpoint):
         """Resume the teacher record's train cursor (and the last finite loss) where the checkpoint left them."""
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("moe_lab_kd") or {}
-        self.last_finite_loss = state.get("last_finite_loss", self.last_finite_loss)
+        self.last_finite_loss = state.get("last_finite_loss", self.last_finite_loss)  # written before moe_lab_guard
         if self.record is not None:
             if "teacher_logits" not in state and checkpoint.get("global_step"):
                 raise ValueError("method.options.teacher_logits: the checkpoint has no teacher-record position (it "

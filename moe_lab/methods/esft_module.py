@@ -176,6 +176,7 @@ class ESFTLightningModule(MoELightningModule):
 
     # checkpoints --------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint[CHECKPOINT_KEY] = {
             "experts": {int(k): list(v) for k, v in (self.selection or {}).items()},
             "config": dict(self.esft_config),
@@ -183,6 +184,7 @@ class ESFTLightningModule(MoELightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         stored = checkpoint.get(CHECKPOINT_KEY)
         if stored is None:
             raise ValueError("this checkpoint was not written by an ESFT run (no ESFT selection in it)")

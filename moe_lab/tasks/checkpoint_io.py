@@ -3,6 +3,8 @@ SIGUSR1, and reading a checkpoint back with errors that say what it is."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import signal
 import sys
@@ -15,20 +17,68 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+log = logging.getLogger(__name__)
+
+
+class _HashingWriter:
+    """A write-only file object that feeds every byte written through sha256 (torch.save writes sequentially)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process umask: what ``open()`` gives a new file (``mkstemp`` gives 0600 whatever the
+    umask, so colleagues on a shared filesystem could not read a checkpoint)."""
+    try:  # Linux: read without changing it (os.umask would, for a moment, for every thread)
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0)
+        os.umask(umask)
+    return mode & ~umask
+
+
+def remove_stale_temporaries(ckpt_dir: str | Path) -> None:
+    """Remove the partial files (``.<name>.*.tmp``) that a run killed while writing a checkpoint or a marker left in
+    ``ckpt_dir``, with one line; called at the start of a run that holds the directory's lock."""
+    ckpt_dir = Path(ckpt_dir)
+    stale = sorted(ckpt_dir.glob(".*.tmp")) if ckpt_dir.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d partial files of an earlier run killed while writing in %s: %s", len(stale), ckpt_dir,
+                 ", ".join(p.name for p in stale))
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Saves to a temporary file in the target directory, fsyncs, then renames over the target."""
+    """Saves to a temporary file in the target directory, fsyncs, then renames over the target. The file's sha256
+    is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, str] = {}
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, umask_mode())
             with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
+                writer = _HashingWriter(f)
+                torch.save(checkpoint, writer)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            self.digests[os.path.abspath(path)] = writer.sha.hexdigest()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -49,9 +99,8 @@ def read_checkpoint(path: str | Path, field: str = "task.ckpt_path") -> dict:
         except RuntimeError:  # a legacy (non-zip) torch file cannot be memory-mapped
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file: the cause goes in the message
-        raise ValueError(f"{field}={path} is not a moe-lab checkpoint (torch cannot read it: "
-                         f"{type(err).__name__}). Use <run dir>/checkpoints/last.ckpt of a task=finetune run, "
-                         "or task.resume=<run dir>.") from None
+        raise ValueError(f"{field}={path}: torch cannot read it ({type(err).__name__}): the file is truncated or "
+                         f"corrupted, or is not a checkpoint. {complete_beside(path)}") from None
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     if not isinstance(hparams, dict) or "method" not in hparams or "state_dict" not in ckpt:
         raise ValueError(f"{field}={path} is not a moe-lab checkpoint (no Lightning state_dict with moe-lab "
@@ -186,11 +235,69 @@ def mark_completed(trainer, ckpt: str | Path) -> None:
     if not trainer.is_global_zero:
         return
     info = {"global_step": int(trainer.global_step), "strategy": strategy_kind(trainer.strategy),
-            "world_size": int(trainer.world_size)}
+            "world_size": int(trainer.world_size), "sha256": content_digests(Path(ckpt), trainer)}
     target = marker_path(ckpt)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(info) + "\n")
+    tmp.write_text(json.dumps(info) + "\n")  # open(): the umask's mode
     os.replace(tmp, target)
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def content_digests(ckpt: Path, trainer=None) -> dict[str, str]:
+    """``{name: sha256}`` of a checkpoint file (the digest :class:`AtomicCheckpointIO` computed while writing it,
+    else read back) or of every file inside a DeepSpeed checkpoint directory (names relative to it)."""
+    if ckpt.is_dir():
+        return {str(p.relative_to(ckpt)): _sha256_file(p) for p in sorted(ckpt.rglob("*"))
+                if p.is_file() and p.name != MARKER}
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    known = getattr(io, "digests", {}).pop(os.path.abspath(ckpt), None)
+    return {ckpt.name: known or _sha256_file(ckpt)}
+
+
+def verify_digests(path: Path, info: dict, field: str) -> None:
+    """Refuse ``path`` when its content differs from the sha256 its COMPLETED marker ``info`` recorded (a marker
+    of an older moe-lab has none: nothing to verify)."""
+    recorded = info.get("sha256")
+    if not recorded:
+        return
+    actual = content_digests(path)
+    bad = sorted(name for name in set(recorded) | set(actual) if recorded.get(name) != actual.get(name))
+    if bad:
+        where = path if not path.is_dir() else path / bad[0]
+        raise ValueError(f"{field}={path}: {where} does not match the sha256 recorded in its {MARKER} marker "
+                         f"when it was written (corrupted or changed since; torch would load it without noticing). "
+                         f"{complete_beside(path)}")
+
+
+def complete_beside(path: Path) -> str:
+    """One sentence naming the marked checkpoints in ``path``'s directory other than ``path`` (newest first) and the
+    command that resumes the newest (``task.resume`` re-applies the run's own overrides)."""
+    import json
+
+    path = Path(path)
+    marked = [(p.with_name(p.name.removesuffix(f".{MARKER}")), p) for p in path.parent.glob(f"*.{MARKER}")]
+    marked += [(p.parent, p) for p in path.parent.glob(f"*/{MARKER}")]
+    steps = []
+    for ckpt, marker in marked:
+        if ckpt.resolve() == path.resolve() or not ckpt.exists():
+            continue
+        try:
+            steps.append((int(json.loads(marker.read_text()).get("global_step", -1)), ckpt))
+        except (ValueError, OSError):
+            continue
+    if not steps:
+        return "No complete checkpoint beside it: start the run again."
+    steps.sort(key=lambda s: (-s[0], s[1].name))
+    names = ", ".join(f"{ckpt.name} (step {step})" for step, ckpt in steps)
+    return (f"Complete checkpoints beside it: {names}; resume the newest with task.resume={steps[0][1]} (it re-applies "
+            "the run's own overrides).")
 
 
 def _unmark(trainer, ckpt: str | Path) -> None:
@@ -198,9 +305,30 @@ def _unmark(trainer, ckpt: str | Path) -> None:
         marker_path(ckpt).unlink(missing_ok=True)
 
 
+def check_finite_weights(trainer, ckpt: Path) -> None:
+    """Refuse to write ``ckpt`` from non-finite weights (each rank checks its own parameters or shards; the ranks
+    agree through one all-reduce), so the checkpoints already written stay the last good ones."""
+    module = trainer.lightning_module
+    bad = next((name for name, p in module.named_parameters()
+                if p.is_floating_point() and p.numel() and not bool(torch.isfinite(p).all())), None)
+    if trainer.world_size > 1:
+        flag = torch.tensor(float(bad is not None), device=trainer.strategy.root_device)
+        if not int(trainer.strategy.reduce(flag, reduce_op="max")):
+            return
+    elif bad is None:
+        return
+    last = getattr(module, "last_finite_loss", None)
+    raise FloatingPointError(
+        f"the weights after optimizer step {trainer.global_step} are not finite ({bad or 'on another rank'}): "
+        f"{ckpt} not written, the checkpoints written before are kept (resume one with task.resume=<run dir>/"
+        f"checkpoints/<file>); last finite loss {'none' if last is None else f'{last:.6g}'}. Lower task.optim.lr")
+
+
 def _save_marked(trainer, ckpt: Path, save=None) -> None:
     """``trainer.save_checkpoint`` then the COMPLETED marker (a directory loses its marker before it is rewritten;
-    a file is replaced atomically, so until then the old one stays complete)."""
+    a file is replaced atomically, so until then the old one stays complete). Non-finite weights are never
+    written (:func:`check_finite_weights`)."""
+    check_finite_weights(trainer, Path(ckpt))
     if Path(ckpt).is_dir():
         _unmark(trainer, ckpt)
     trainer.strategy.barrier("moe_lab.unmark")
@@ -261,14 +389,12 @@ def check_resumable(path: str | Path, field: str, strategy: str) -> None:
         return  # read_checkpoint names the missing file
     marker = marker_path(path)
     if not marker.is_file():
-        done = sorted(p.name.removesuffix(f".{MARKER}") for p in path.parent.glob(f"*.{MARKER}"))
-        done += sorted(p.parent.name for p in path.parent.glob(f"*/{MARKER}"))
         raise ValueError(
             f"{field}={path}: no {MARKER} marker ({marker}), so the checkpoint is half-written (the run stopped "
-            "while saving it) or was written by an older moe-lab. "
-            + (f"Complete checkpoints beside it: {', '.join(done)} (task.ckpt_path=<one of them>)." if done else
-               "No complete checkpoint beside it: start the run again."))
-    written = json.loads(marker.read_text()).get("strategy", "single")
+            f"while saving it) or was written by an older moe-lab. {complete_beside(path)}")
+    info = json.loads(marker.read_text())
+    verify_digests(path, info, field)
+    written = info.get("strategy", "single")
     if _family(written) == _family(strategy):
         if written != strategy and written.startswith("deepspeed"):
             raise ValueError(f"{field}={path} was written under {written}, this run is {strategy}: resume with "

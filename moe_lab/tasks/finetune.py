@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -28,8 +29,22 @@ from .checkpoint_io import (
     check_resumable,
     checkpoint_callback,
     read_checkpoint,
+    remove_stale_temporaries,
 )
-from .resume import History, LastStepCheckpoint, check_progress, pin_wandb_run, resume_checkpoint
+from .resume import (
+    History,
+    LastStepCheckpoint,
+    accept_run,
+    check_changes,
+    check_progress,
+    check_trainable,
+    other_parameters,
+    pin_wandb_run,
+    refuse_existing_run,
+    resume_checkpoint,
+    run_record,
+)
+from .run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +92,8 @@ class _RunInfo(L.Callback):
         self.cfg = cfg
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        checkpoint["moe_lab"] = {"model": self.cfg.model.name, "method": self.cfg.method.name}
+        checkpoint["moe_lab"] = {"model": self.cfg.model.name, "method": self.cfg.method.name,
+                                 "run": run_record(self.cfg, trainer.world_size)}  # what a resume compares
 
     def on_train_start(self, trainer, pl_module) -> None:
         from lightning.pytorch.loggers import WandbLogger
@@ -101,15 +117,27 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 
 
 def finetune(cfg: DictConfig) -> dict:
-    """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``."""
+    """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``. The run
+    directory is locked for the run (a second run into it is refused, :class:`~.run_lock.RunLock`)."""
+    with RunLock(cfg.paths.output_dir) as lock:
+        if lock.held:  # rank zero: no other process of this run writes yet
+            remove_stale_temporaries(Path(cfg.paths.output_dir) / "checkpoints")  # of a run killed while writing
+        return _finetune(cfg)
+
+
+def _finetune(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
-    if ckpt_path is not None:
+    if ckpt_path is None:
+        refuse_existing_run(cfg, out)  # the same command again would start that run over
+    else:
         check_resumable(ckpt_path, field, config_strategy_kind(cfg.hardware.trainer))
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
+    recorded = None
     if ckpt is not None:
         check_progress(ckpt, cfg, field)  # a resume that would train nothing is refused or said
+        recorded = check_changes(ckpt, ckpt_path, cfg, field)  # dataset, method, batch size, world size, ...
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
     model, tokenizer = load_model(cfg.model, method=cfg.method.get("name"))  # dense: DENSE_METHODS
@@ -118,7 +146,9 @@ def finetune(cfg: DictConfig) -> dict:
                          _recursive_=False)
     if ckpt is not None:
         check_matches(ckpt, ckpt_path, module, f"{cfg.model.name} / {cfg.method.name}", field)
+        check_trainable(ckpt, ckpt_path, module, cfg, field, recorded)
         del ckpt
+    accept_run()  # run.py's config.yaml and .hydra/, held back until a resume is accepted
     history = History(ckpt_path, resumed_step, out)
     loggers = _loggers(cfg, out, history)
     callbacks = _instantiate_all(cfg.callbacks)
@@ -137,6 +167,15 @@ def finetune(cfg: DictConfig) -> dict:
     except SIGTERMException:
         if on_signal.saved is None:
             raise
+    except SystemExit:  # Lightning's exit(1) after the KeyboardInterrupt of a second Ctrl-C
+        if on_signal.signum is None or on_signal.saved is not None:
+            raise
+        print("second Ctrl-C: stopped without writing a new checkpoint", file=sys.stderr, flush=True)
+        raise RunInterrupted(128 + int(signal.SIGINT)) from None
+    except ValueError as err:  # torch's optimizer-state error when an allowed method change trains other parameters
+        if ckpt_path is None or "parameter group" not in str(err):
+            raise
+        raise other_parameters(field, ckpt_path, cfg.method.name, recorded) from None
     interrupted = on_signal.saved is not None
     summary = {"wall_time_s": round(clock.wall_time_s, 1), "wall_time_this_run_s": round(clock.this_run_s, 1),
                "global_step": trainer.global_step, "resumed_from_step": resumed_step or None,

@@ -30,6 +30,8 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
     resume = cfg.task.get("resume")
     if resume:
         path = Path(str(resume)).expanduser()
+        if path.is_dir() and (path / "latest").is_file():  # a DeepSpeed checkpoint directory
+            return path, "task.resume"
         if path.is_dir():
             ckpt = path / "checkpoints" / "last.ckpt"
             if not ckpt.exists():  # a file, or a DeepSpeed checkpoint directory
@@ -166,3 +168,159 @@ def pin_wandb_run(cfg: DictConfig, history: History, out: Path) -> str | None:
     (out / "checkpoints" / WANDB_ID_FILE).write_text(run_id + "\n")
     return run_id
 
+
+
+# ---- what a resume may change (issue 21: refuse a changed trajectory, say every other change) -------------------
+ALLOW_FIELD = "task.allow_resume_changes"
+WORLD_SIZE = "world size"
+#: record keys (prefixes) that decide which examples are seen in which optimizer step: refused unless allowed
+TRAJECTORY = ("dataset.", "method.", WORLD_SIZE, "task.trainer.accumulate_grad_batches")
+#: dataset keys that change how the data is loaded, not which data: never a change
+LOADING_ONLY = ("dataset.num_workers", "dataset.pin_memory", "dataset.persistent_workers", "dataset.prefetch_factor")
+
+
+def _flat(prefix: str, node) -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flat(f"{prefix}.{key}", value))
+        return out
+    return {prefix: node}
+
+
+def _trainer_settings(cfg: DictConfig) -> dict:
+    return {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
+            **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
+
+
+def config_world_size(cfg: DictConfig) -> int:
+    """The number of training processes ``cfg.hardware`` / ``cfg.task.trainer`` ask for (devices x nodes)."""
+    import torch
+
+    trainer = _trainer_settings(cfg)
+    devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices).isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # "auto" / -1: every visible accelerator
+        gpu = str(trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        count = torch.cuda.device_count() if gpu else 1
+    return count * nodes
+
+
+def run_record(cfg: DictConfig, world_size: int) -> dict:
+    """The settings a checkpoint records about the run that wrote it (flat, dotted config keys): the dataset, the
+    method, the optimizer and schedule, the loop limits, the accumulation, the seed and the world size."""
+    record = {}
+    for key in ("dataset", "method", "task.optim", "task.scheduler"):
+        node = OmegaConf.select(cfg, key)
+        if node is not None:
+            record.update(_flat(key, OmegaConf.to_container(node, resolve=True)))
+    trainer = _trainer_settings(cfg)
+    for key in ("max_steps", "max_epochs", "accumulate_grad_batches", "gradient_clip_val"):
+        record[f"task.trainer.{key}"] = trainer.get(key)
+    record["seed"] = cfg.get("seed")
+    record[WORLD_SIZE] = int(world_size)
+    return {k: v for k, v in record.items() if not k.startswith(LOADING_ONLY)}
+
+
+def _recorded(ckpt: dict, path: Path) -> dict | None:
+    """The checkpoint's run record; for a checkpoint of an older moe-lab, rebuilt from its run's config.yaml and
+    the marker's world size (None: neither is there)."""
+    import json
+
+    from .checkpoint_io import marker_path
+
+    record = (ckpt.get("moe_lab") or {}).get("run")
+    if record is not None:
+        return record
+    config = next((d / "config.yaml" for d in (path.parent.parent, path.parent) if (d / "config.yaml").is_file()), None)
+    marker = marker_path(path)
+    if config is None or not marker.is_file():
+        return None
+    try:
+        return run_record(OmegaConf.load(config), json.loads(marker.read_text()).get("world_size", 1))
+    except Exception:  # noqa: BLE001 - not a finetune run's config: nothing to compare against
+        return None
+
+
+def check_changes(ckpt: dict, path: Path, cfg: DictConfig, field: str) -> dict | None:
+    """Compare this run's settings with those of the run that wrote the checkpoint. A change of the trajectory
+    (:data:`TRAJECTORY`) is refused unless ``task.allow_resume_changes=true``; every change that goes ahead is
+    logged in one line. Returns the checkpoint's record (None: an older checkpoint without one)."""
+    old = _recorded(ckpt, path)
+    if old is None:
+        log.warning("%s=%s records no settings of its run (an older moe-lab, no config.yaml beside it): changes of "
+                    "dataset, method, batch size or world size cannot be checked", field, path)
+        return None
+    new = run_record(cfg, config_world_size(cfg))
+    changes = [(k, old.get(k, "(unset)"), new.get(k, "(unset)")) for k in sorted(set(old) | set(new))
+               if old.get(k, "(unset)") != new.get(k, "(unset)")]
+    trajectory = [c for c in changes if c[0].startswith(TRAJECTORY)]
+    if trajectory and not cfg.task.get("allow_resume_changes"):
+        listed = "; ".join(f"{k}: {a} -> {b}" for k, a, b in trajectory)
+        raise ValueError(
+            f"{field}={path}: this run changes what the checkpoint's run trained on ({listed}), so the rest of it "
+            "would not continue that run. Resume with the run's own settings (task.resume=<run dir> re-applies its "
+            f"overrides; drop the ones above), or pass {ALLOW_FIELD}=true to continue with the changes")
+    for key, before, after in changes:
+        allowed = f" (allowed by {ALLOW_FIELD})" if key.startswith(TRAJECTORY) else ""
+        log.warning("%s: %s: %s -> %s differs from the checkpoint's run%s", field, key, before, after, allowed)
+    return old
+
+
+def other_parameters(field: str, path: Path, method: str, recorded: dict | None) -> ValueError:
+    """The refusal of a method change (allowed) whose method trains other parameters than the checkpoint's."""
+    was = (recorded or {}).get("method.name", "another method")
+    return ValueError(f"{field}={path}: method={method} trains other parameters than the checkpoint's method={was}, "
+                      f"so its optimizer state cannot be restored. Resume with method={was}, or start a new run from "
+                      "its weights (model.pretrained=<run dir>/export)")
+
+
+def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str, recorded: dict | None) -> None:
+    """After an allowed method change: refuse when the new method trains another number of parameters than the
+    checkpoint's optimizer state holds (before any file of the run is touched, instead of torch's parameter-group
+    error inside the fit)."""
+    if not recorded or recorded.get("method.name") == cfg.method.name or not ckpt.get("optimizer_states"):
+        return
+    saved = sum(len(g["params"]) for g in ckpt["optimizer_states"][0].get("param_groups", []))
+    trained = sum(1 for p in module.parameters() if p.requires_grad)
+    if saved != trained:
+        raise other_parameters(field, path, cfg.method.name, recorded)
+
+
+def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
+    """A plain ``task=finetune`` (no ``task.resume`` / ``task.ckpt_path``) into a run directory that holds a
+    complete checkpoint would start again from step 0 over that run's checkpoints and metrics: refused, naming
+    ``task.resume``. (A requeued SLURM job continues it by itself: ``moe_lab.slurm.resume_requeued``.)"""
+    import json
+
+    from .checkpoint_io import marker_path
+
+    ckpt = out / "checkpoints" / "last.ckpt"
+    if cfg.task.get("name") != "finetune" or not marker_path(ckpt).is_file():
+        return
+    step = json.loads(marker_path(ckpt).read_text()).get("global_step", "?")
+    raise ValueError(f"{out} already holds a run with a complete checkpoint at step {step} ({ckpt}): this command "
+                     "would start it again from step 0 over its checkpoints and metrics.csv. Continue it with "
+                     f"task.resume={out} (its own overrides are re-applied; add task.trainer.max_steps=<n> to train "
+                     "longer), or give another hydra.run.dir")
+
+
+# ---- run files written once a resume is accepted (issue 21.9) ----------------------------------------------------
+_pending_run_files: list = []
+
+
+def defer_run_files(write) -> None:
+    """Hold ``write`` (run.py's writer of config.yaml and .hydra/) until :func:`accept_run`: a refused resume must
+    not change the run's own files."""
+    _pending_run_files[:] = [write]
+
+
+def accept_run() -> None:
+    """The run goes ahead: write the run files held by :func:`defer_run_files` (none held: nothing to do)."""
+    while _pending_run_files:
+        _pending_run_files.pop()()

@@ -64,7 +64,7 @@ def test_resume_equals_uninterrupted_run(chat_file, straight, stop):
     weights, ckpt_dir = straight
     ckpt = torch.load(ckpt_dir / f"step={stop}.ckpt", weights_only=True)
     epoch, batches = divmod(stop, 3)
-    saved = {"epoch": epoch if batches else epoch - 1, "batches": batches or 3}
+    saved = {"epoch": epoch if batches else epoch - 1, "batches": batches or 3, "examples": BATCH * (batches or 3)}
     assert ckpt["SFTDataModule"] == {"train_loader": saved}
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [saved]
     resumed = _fit(_datamodule(chat_file), ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"))
@@ -121,12 +121,12 @@ def test_loader_state_round_trip_across_epochs(num_workers):
         first.sampler.set_epoch(epoch)
         assert _batches(first, stop) == epochs[epoch][:stop]
         state = first.state_dict()
-        assert state == {"epoch": epoch, "batches": stop}
+        assert state == {"epoch": epoch, "batches": stop, "examples": 5 * stop}
         second = make()
         second.load_state_dict(state)
         assert second.state_dict() == state  # a checkpoint right after resuming keeps the position
         assert _batches(second) == epochs[epoch][stop:]
-        assert second.state_dict() == {"epoch": epoch, "batches": 5}
+        assert second.state_dict() == {"epoch": epoch, "batches": 5, "examples": 25}
         second.sampler.set_epoch(epoch + 1)  # the next epoch starts from its beginning
         assert _batches(second) == (epochs[epoch + 1] if epoch + 1 < 3 else _batches(_fresh(make, epoch + 1)))
 
@@ -174,3 +174,36 @@ def test_position_reaches_the_loader_built_after_another(chat_file):
     reference.setup()
     expected = [x["input_ids"].tolist() for x in reference.train_dataloader()][2:]
     assert [x["input_ids"].tolist() for x in training] == expected
+
+
+def test_position_is_kept_in_examples_across_a_batch_size_change():
+    """Issue 21.8: a resume with another dataset.batch_size (allowed by task.allow_resume_changes) continues after
+    the examples already seen, not after as many batches of the new size. Oracle: the sampler's epoch order."""
+    data = ListDataset(list(range(24)))
+
+    def make(batch_size):
+        return ResumableDataLoader(data, batch_size=batch_size, sampler=ResumableSampler(data, shuffle=True, seed=7))
+
+    order = [x for b in _batches(make(2)) for x in b]
+    first = make(2)
+    assert len(_batches(first, 3)) == 3
+    state = first.state_dict()
+    assert state == {"epoch": 0, "batches": 3, "examples": 6}
+    for batch_size in (4, 3):  # 6 examples are 1.5 batches of 4: the sampler skips exactly 6 all the same
+        second = make(batch_size)
+        second.load_state_dict(state)
+        assert [x for b in _batches(second) for x in b] == order[6:]
+
+    class Counting(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(12))
+
+    plain = ResumableDataLoader(Counting(), batch_size=3)
+    _batches(plain, 2)
+    again = ResumableDataLoader(Counting(), batch_size=2)
+    again.load_state_dict(plain.state_dict())
+    assert _batches(again) == [[6, 7], [8, 9], [10, 11]]
+    odd = ResumableDataLoader(Counting(), batch_size=4)
+    odd.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match=r"6 examples, .* dataset.batch_size=4"):
+        _batches(odd)

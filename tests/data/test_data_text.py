@@ -82,7 +82,7 @@ def test_stream_shards_documents_and_resumes(tmp_path):
     resumed = TextBlockDataModule(path=path, streaming=True, num_blocks=12, block_size=8, batch_size=3,
                                   tokenizer=tok)
     resumed.load_state_dict(dm.state_dict())
-    assert dm.state_dict() == {"train_loader": {"epoch": 0, "batches": 3}}
+    assert dm.state_dict() == {"train_loader": {"epoch": 0, "batches": 3, "examples": 9}}
     assert [x["input_ids"].tolist() for x in resumed.train_dataloader()] == batches[3:]
 
 

@@ -81,7 +81,7 @@ def test_read_ahead_is_not_consumed_and_a_resume_mid_window_counts_the_rest():
     it = iter(first)
     for _ in range(5):  # the second window has been read whole, one of its batches handed out
         next(it)
-    assert first.state_dict() == {"epoch": 0, "batches": 5}
+    assert first.state_dict() == {"epoch": 0, "batches": 5, "examples": 5 * first.batch_size}
     second = _loader(rows, shuffle=True)
     second.load_state_dict(first.state_dict())
     second.count_windows(4)
@@ -286,7 +286,7 @@ def test_resume_in_window_mode_equals_the_uninterrupted_run(tmp_path):
     5 steps cross into the second epoch. Resumed after step 1 (mid-epoch) and step 3 (after the partial window)."""
     rows = _rows(REAL[:10])
     straight = _fit(rows, ckpt_dir=str(tmp_path))
-    for stop, position in ((1, {"epoch": 0, "batches": 2}), (3, {"epoch": 0, "batches": 5})):
+    for stop, position in ((1, {"epoch": 0, "batches": 2, "examples": 4}), (3, {"epoch": 0, "batches": 5, "examples": 10})):
         ckpt = tmp_path / f"step={stop}.ckpt"
         assert torch.load(ckpt, weights_only=True)["_Rows"] == {"train_loader": position}
         resumed = _fit(rows, ckpt_path=str(ckpt))
@@ -326,7 +326,8 @@ def test_a_mid_window_checkpoint_saves_the_consumed_position(tmp_path):
     fit(first)
     own = [n for _, _, n in first.seen]
     assert [w for _, w, _ in first.seen] == [own[0] + own[1]] * 2 + [own[2] + own[3]] * 2 + [own[4]]
-    assert torch.load(ckpt, weights_only=True)["_Rows"] == {"train_loader": {"epoch": 0, "batches": 3}}
+    assert torch.load(ckpt, weights_only=True)["_Rows"] == {"train_loader": {"epoch": 0, "batches": 3,
+                                                                                   "examples": 6}}
     resumed = _SaveAt()
     fit(resumed, ckpt_path=str(ckpt))
     assert resumed.seen == [(3, own[3], own[3]), (4, own[4], own[4])]
