@@ -9,13 +9,14 @@ import logging
 import lightning as L
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from moe_lab.methods.base import MoELightningModule
-from moe_lab.methods.precision import plan_master_weights
-from moe_lab.models import load_model
-from tests.conftest import ROOT, hf_fp32_names, random_batch, tiny_model_cfg
+from moe_lab.methods.precision import in_load_dtype, plan_master_weights
+from moe_lab.models import keep_hf_fp32, load_model
+from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg
 
 LR = 2e-5
 
@@ -136,6 +137,21 @@ def test_plan_units():
     assert plan_master_weights(model.float(), "bf16-mixed", "check") == []
     with pytest.raises(ValueError, match="method.master_weights='fp16'"):
         MoELightningModule(_bf16_model(), "sft", master_weights="fp16")
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v2", "deepseek_v3"])
+def test_fp32_kept_tensors_follow_vanilla_from_pretrained(family, tmp_path):
+    """A bf16 model cast wholly to bf16 (as DeepSpeed's engine does): ``keep_hf_fp32`` brings back exactly the dtypes
+    vanilla ``from_pretrained(dtype=bf16)`` gives each tensor, and ``in_load_dtype`` writes those dtypes."""
+    build_tiny(family).save_pretrained(tmp_path)
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = {k: v.dtype for k, v in vanilla.state_dict().items()}
+    assert (torch.float32 in want.values()) == bool(hf_fp32_names(family))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).bfloat16()
+    assert {v.dtype for v in model.state_dict().values()} == {torch.bfloat16}
+    assert {k: v.dtype for k, v in in_load_dtype(model, model.state_dict()).items()} == want
+    keep_hf_fp32(model, torch.bfloat16)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == want
 
 
 def test_gpu_config_is_mixed_precision():
