@@ -59,14 +59,23 @@ def validate_config(config) -> None:
         raise ValueError(f"model.config ({config.model_type}): {err}") from None
 
 
-def keep_fp32_buffers(model) -> None:
-    """Floating buffers HF keeps in fp32 whatever the load dtype (``_keep_in_fp32_modules_strict``, e.g. the
-    DeepSeek-V3 routing correction bias) back to fp32: ``from_config(dtype=bf16)`` does not honour it."""
-    names = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    for module in model.modules():
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32 and key in names:
-                module._buffers[key] = buf.float()
+def keep_hf_fp32(model, dtype: torch.dtype) -> None:
+    """The parameters and buffers ``from_pretrained(dtype=dtype)`` keeps in fp32 (``precision.hf_fp32_pattern``:
+    DeepSeek-V3's routing correction bias; from transformers 5.24 the DeepSeek-V2/V3 router weights) back to fp32 in
+    a model built with ``from_config(dtype=dtype)``, which honours only what the module code creates in fp32."""
+    from .methods.precision import hf_fp32_pattern
+
+    keep = hf_fp32_pattern(model, dtype)
+    if keep is None:
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32 and keep.search(name):
+                param.data = param.data.float()
+        for name, buf in list(model.named_buffers()):
+            if buf.is_floating_point() and buf.dtype != torch.float32 and keep.search(name):
+                owner, _, key = name.rpartition(".")
+                model.get_submodule(owner)._buffers[key] = buf.float()
 
 
 def load_model(model_cfg, tokenizer=None, method: str | None = None):
@@ -125,7 +134,7 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.get("seed") or 0))
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        keep_fp32_buffers(model)
+        keep_hf_fp32(model, dtype)
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -64,6 +64,42 @@ def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3),
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def rehomed(model):
+    """``model`` with every parameter and buffer copied into fresh (allocator-aligned) memory, ties kept.
+
+    ``from_pretrained`` leaves CPU tensors as zero-copy views of the mmapped safetensors file, only 8-byte aligned.
+    MKL's matrix-vector kernel (a Linear with one output: Qwen2-MoE's ``shared_expert_gate``) rounds differently on
+    memory that is not 16-byte aligned on its SSE4.2 path (taken on some CPUs; ``MKL_ENABLE_INSTRUCTIONS=SSE4_2``
+    forces it): bit-exact logits of a reload against an in-memory model compare like with like only after this."""
+    with torch.no_grad():
+        for p in model.parameters():  # each Parameter once: tied weights stay tied
+            p.data = p.data.clone()
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.clone()
+    return model
+
+
+def assert_same_weights(reloaded, model) -> None:
+    """Every tensor of ``reloaded`` has the dtype and the exact values of ``model``'s (same keys)."""
+    want = model.state_dict()
+    got = reloaded.state_dict()
+    assert set(got) == set(want), set(got) ^ set(want)
+    for key, value in got.items():
+        assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
+
+
+def hf_fp32_names(model_type: str) -> tuple[str, ...]:
+    """What transformers itself keeps in fp32 in a bf16/fp16 model of ``model_type``: its causal-LM class's
+    ``_keep_in_fp32_modules_strict`` (DeepSeek-V3: the routing correction bias; from transformers 5.24 the router
+    weight ``gate.weight`` too). A key is kept when it ends with one of them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return tuple(cls._keep_in_fp32_modules_strict or ())
+
+
 WORDS = ["alpha", "beta", "gamma", "delta", "moe", "expert", "token", "layer", "dense"]
 
 

@@ -1,11 +1,13 @@
 """Exports of compressed, condensed and distilled models are written in the model's LOAD dtype (every tensor, apart
-from the ones HF keeps in fp32: DeepSeek-V3's routing correction bias), and config.json says so.
+from the ones HF keeps in fp32: DeepSeek-V3's routing correction bias, and from transformers 5.24 its router weight),
+and config.json says so.
 
 Paths: task=compress (to_dense, prune: ``export_compressed``), task=condense (``to_vanilla`` + ``export_compressed``,
 ``export_condensed``), method=condense_sft (``_rewrite_export`` from the live model), method=kd with a dense student
 (``_DensePatch`` through task=finetune), and a DeepSpeed ZeRO checkpoint of a dense KD run converted to an HF export.
 Each directory is reloaded the documented way (vanilla ``from_pretrained``, ``load_condensed``). Oracles: the
-stored dtypes against the rule written out here (bf16, fp32 for ``*e_score_correction_bias``), and weights / logits
+stored dtypes against the rule written out here (bf16, fp32 for the names the transformers class declares in
+``_keep_in_fp32_modules_strict``, int64 for condensed expert ids), and weights / logits
 ``torch.equal`` to an independently made reference: the same compression of the model as loaded (bf16), or the
 in-memory trained model (fp32 master weights) cast to bf16 by the test."""
 
@@ -33,10 +35,10 @@ from moe_lab.compress.prune import prune_experts
 from moe_lab.methods.condense_sft import CondenseSFTModule
 from moe_lab.methods.precision import apply_master_weights, export_in_load_dtype
 from moe_lab.models import load_model
-from tests.conftest import ROOT, build_tiny, random_batch, tiny_model_cfg, word_text
+from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg, word_text
 
 BF16 = torch.bfloat16
-KEPT_FP32 = "e_score_correction_bias"  # DeepSeek-V3: HF's _keep_in_fp32_modules_strict
+KEPT_FP32 = "e_score_correction_bias"  # DeepSeek-V3's fp32 buffer (HF's _keep_in_fp32_modules_strict)
 
 
 def load_bf16(family: str, seed: int = 0):
@@ -70,17 +72,20 @@ def stored(directory) -> dict[str, torch.Tensor]:
     return out
 
 
-def expected_dtype(key: str) -> torch.dtype:
-    return torch.float32 if key.endswith(KEPT_FP32) else torch.int64 if key.endswith("expert_ids") else BF16
+def expected_dtype(key: str, model_type: str) -> torch.dtype:
+    if key.endswith(hf_fp32_names(model_type)):
+        return torch.float32
+    return torch.int64 if key.endswith("expert_ids") else BF16
 
 
 def assert_in_bf16(directory) -> dict[str, torch.Tensor]:
-    """Every stored tensor bf16 but ``*e_score_correction_bias`` (fp32) and the condensed layers' expert ids
-    (int64); config.json says bfloat16."""
+    """Every stored tensor bf16 but those HF keeps in fp32 (``hf_fp32_names``: DeepSeek-V3's correction bias, from
+    transformers 5.24 its router weight) and the condensed layers' expert ids (int64); config.json says bfloat16."""
     state = stored(directory)
-    wrong = {k: v.dtype for k, v in state.items() if v.dtype != expected_dtype(k)}
+    config = json.loads((directory / "config.json").read_text())
+    wrong = {k: v.dtype for k, v in state.items() if v.dtype != expected_dtype(k, config["model_type"])}
     assert not wrong, wrong
-    assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
+    assert config["dtype"] == "bfloat16"
     return state
 
 
@@ -90,10 +95,13 @@ def logits(model, seed: int = 9) -> torch.Tensor:
 
 
 def parameters_to_bf16(model):
-    """``model`` with its parameters cast to bf16 (buffers, e.g. rotary frequencies, as they are)."""
+    """``model`` with its parameters cast to bf16 but those HF keeps in fp32 (buffers, e.g. rotary frequencies, as
+    they are)."""
+    kept = hf_fp32_names(model.config.model_type)
     with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(BF16)
+        for name, p in model.named_parameters():
+            if not name.endswith(kept):
+                p.data = p.data.to(BF16)
     return model
 
 
@@ -235,7 +243,8 @@ def test_condense_sft_export_from_the_live_model_is_bf16(tmp_path):
     trainer = L.Trainer(max_steps=1, accelerator="cpu", precision="bf16-mixed", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader([random_batch(2, 8)], batch_size=None))
-    trained = {n for n, p in module.model.named_parameters() if p.dtype == torch.float32}
+    kept = hf_fp32_names("deepseek_v3")
+    trained = {n for n, p in module.model.named_parameters() if p.dtype == torch.float32 and not n.endswith(kept)}
     assert trained and trained == set(module.trainable_names)  # fp32 master weights, updated
     export_in_load_dtype(module.patch)  # as task=finetune
     module.patch.export(tmp_path / "sft")

@@ -200,14 +200,14 @@ def canonical(config, fields: dict) -> dict:
 def build_uninitialised(config, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` without random initialisation (every tensor is overwritten by the
     caller; non-persistent buffers such as rotary frequencies are still computed), in ``dtype`` (its load
-    dtype, ``config.dtype``) but for the buffers HF keeps in fp32 (``keep_fp32_buffers``), as from_pretrained."""
+    dtype, ``config.dtype``) but for the tensors HF keeps in fp32 (``keep_hf_fp32``), as from_pretrained."""
     from transformers.initialization import no_init_weights
 
-    from ..models import keep_fp32_buffers
+    from ..models import keep_hf_fp32
 
     with torch.random.fork_rng(devices=[]), no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    keep_fp32_buffers(model)
+    keep_hf_fp32(model, dtype)
     return model
 
 

@@ -15,7 +15,10 @@ the strategy wraps the model:
 Half "-true" precisions (``bf16-true``, ``16-true``) cast every parameter and buffer (router biases
 included) to half precision, so they are refused unless ``master_weights=off``.
 
-Exports (:func:`export_in_load_dtype`) write every tensor in the load dtype, whatever master weights did.
+Exports (:func:`export_in_load_dtype`) write every tensor in the load dtype, whatever master weights did, but
+those transformers itself keeps in fp32 for that dtype (:func:`hf_fp32_pattern`; DeepSeek-V3's routing correction
+bias, and from transformers 5.24 the DeepSeek-V2/V3 router weights), which are written in fp32 as from_pretrained
+holds them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -105,19 +109,31 @@ def load_dtype(model: nn.Module) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def hf_fp32_pattern(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+    """The names ``from_pretrained(dtype=dtype)`` keeps in fp32 (``model._get_dtype_plan``: the class's
+    ``_keep_in_fp32_modules_strict`` for bf16/fp16, ``_keep_in_fp32_modules`` for fp16), as the regex transformers
+    matches them with (``pattern.search(name)``); None when it keeps nothing."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return None
+    from transformers.core_model_loading import build_glob_alternation
+
+    return build_glob_alternation(list(plan))[0]
+
+
 def in_load_dtype(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every floating tensor cast once to :func:`load_dtype`, except those HF itself keeps in
-    fp32 for that dtype (``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing correction bias).
-    Tensors sharing storage (tied weights) still share it."""
+    fp32 for that dtype (:func:`hf_fp32_pattern`: DeepSeek-V3's routing correction bias, from transformers 5.24
+    the DeepSeek-V2/V3 router weights), written in fp32 (a lossless upcast where a strategy cast them down, as
+    DeepSpeed's bf16 engine does). Tensors sharing storage (tied weights) still share it."""
     dtype = load_dtype(model)
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    if plan:
-        from transformers.core_model_loading import build_glob_alternation
-
-        keep = build_glob_alternation(list(plan))[0]
+    keep = hf_fp32_pattern(model, dtype)
     out, cast = {}, {}
     for key, value in state.items():
-        if not value.is_floating_point() or value.dtype == dtype or (plan and keep.search(key)):
+        if value.is_floating_point() and keep is not None and keep.search(key):
+            out[key] = value if value.dtype == torch.float32 else value.detach().float()
+            continue
+        if not value.is_floating_point() or value.dtype == dtype:
             out[key] = value
             continue
         ident = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())

@@ -16,7 +16,7 @@ from moe_lab.compress import calibrate
 from moe_lab.compress.dense import export_compressed
 from moe_lab.compress.prune import prune_experts, strategy_counts
 from moe_lab.moe.view import find_moe_layers
-from tests.conftest import FAMILIES, build_tiny, random_batch
+from tests.conftest import FAMILIES, assert_same_weights, build_tiny, random_batch, rehomed
 
 ATOL = 64 * torch.finfo(torch.float32).eps
 
@@ -61,7 +61,8 @@ def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_pa
     pruned = prune_experts(teacher, calibration, keep=6, group_balanced=True)  # 3 per group for DeepSeek-V3
     export_compressed(pruned, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert torch.equal(_logits(reloaded), _logits(pruned))
+    assert_same_weights(reloaded, pruned)
+    assert torch.equal(_logits(rehomed(reloaded)), _logits(pruned))
     assert [v.num_experts for v in find_moe_layers(reloaded)] == [6] * len(find_moe_layers(teacher))
 
 
@@ -83,7 +84,8 @@ def test_small_moe_equals_vanilla_with_removed_logits_masked(family, tmp_path):
     # vanilla reload: equal logits, expert counts n'
     export_compressed(pruned, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert torch.equal(_logits(reloaded), got)
+    assert_same_weights(reloaded, pruned)
+    assert torch.equal(_logits(rehomed(reloaded)), got)
     assert all(v.num_experts == 5 for v in find_moe_layers(reloaded))
     assert json.loads((tmp_path / "compress_manifest.json").read_text())["layers"] == {
         str(i): ids for i, ids in kept.items()}

@@ -25,9 +25,7 @@ from moe_lab.methods.base import MoELightningModule
 from moe_lab.methods.lora import LinearLoRA
 from moe_lab.methods.precision import export_in_load_dtype
 from moe_lab.models import load_model
-from tests.conftest import random_batch, tiny_model_cfg
-
-KEPT_FP32 = ("e_score_correction_bias",)  # DeepSeek-V3's _keep_in_fp32_modules_strict
+from tests.conftest import hf_fp32_names, random_batch, tiny_model_cfg
 
 
 def _trained(family: str, lora: dict | None) -> MoELightningModule:
@@ -58,8 +56,10 @@ def _oracle(module: MoELightningModule) -> torch.nn.Module:
                 owner.weight.data = (owner.weight + lora.delta()).detach()
                 owner._forward_hooks.clear()
                 del owner.lora
-    for param in model.parameters():  # buffers (rotary frequencies, DeepSeek-V3's bias) stay as loaded
-        param.data = param.data.to(torch.bfloat16)
+    kept = hf_fp32_names(model.config.model_type)
+    for name, param in model.named_parameters():  # buffers (rotary frequencies, DeepSeek-V3's bias) stay as loaded
+        if not name.endswith(kept):  # what HF keeps in fp32 (DeepSeek-V3's router from transformers 5.24) too
+            param.data = param.data.to(torch.bfloat16)
     return model.eval()
 
 
@@ -71,15 +71,16 @@ def _file_dtypes(path) -> dict[str, str]:
 
 
 def _check_export(module: MoELightningModule, path) -> None:
+    kept = hf_fp32_names(module.model.config.model_type)
     dtypes = _file_dtypes(path / "model.safetensors")
-    assert {d for k, d in dtypes.items() if not k.endswith(KEPT_FP32)} == {"BF16"}, dtypes
-    assert all(d == "F32" for k, d in dtypes.items() if k.endswith(KEPT_FP32))
+    assert {d for k, d in dtypes.items() if not k.endswith(kept)} == {"BF16"}, dtypes
+    assert all(d == "F32" for k, d in dtypes.items() if k.endswith(kept))
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     oracle = _oracle(module)
     want = dict(oracle.state_dict())
     for key, value in reloaded.state_dict().items():
-        assert value.dtype == (torch.float32 if key.endswith(KEPT_FP32) else torch.bfloat16), key
+        assert value.dtype == (torch.float32 if key.endswith(kept) else torch.bfloat16), key
         assert torch.equal(value, want[key]), key
     batch = random_batch(batch=2, seq=8, seed=3)
     with torch.no_grad():
@@ -94,7 +95,8 @@ def test_merged_lora_export_is_all_load_dtype(family, tmp_path):
     module.patch.export(tmp_path / "export")
     _check_export(module, tmp_path / "export")
     adapter = _file_dtypes(tmp_path / "export" / "adapter" / "adapter_model.safetensors")
-    assert {d for k, d in adapter.items() if not k.endswith(KEPT_FP32)} == {"BF16"}, adapter
+    kept = hf_fp32_names(module.model.config.model_type)
+    assert {d for k, d in adapter.items() if not k.endswith(kept)} == {"BF16"}, adapter
 
 
 def test_plain_export_writes_master_weights_in_load_dtype(tmp_path):

@@ -9,13 +9,14 @@ import logging
 import lightning as L
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from moe_lab.methods.base import MoELightningModule
-from moe_lab.methods.precision import plan_master_weights
-from moe_lab.models import load_model
-from tests.conftest import ROOT, random_batch, tiny_model_cfg
+from moe_lab.methods.precision import in_load_dtype, plan_master_weights
+from moe_lab.models import keep_hf_fp32, load_model
+from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg
 
 LR = 2e-5
 
@@ -95,14 +96,21 @@ def test_bf16_parameters_without_master_weights_drop_most_updates():
     assert torch.all(after["model.norm.weight"] == 1.0)
 
 
-def test_frozen_parameters_keep_the_load_dtype_and_buffers_stay_fp32():
-    model = _bf16_model("deepseek_v3")
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert dict(model.named_buffers())[bias].dtype == torch.float32
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_frozen_parameters_keep_the_load_dtype_and_buffers_stay_fp32(family):
+    """Frozen routers keep the dtype HF loaded them in: bf16 (OLMoE), fp32 where HF keeps them in fp32 (DeepSeek-V3's
+    from transformers 5.24); trained parameters become fp32; DeepSeek-V3's fp32 correction bias stays fp32."""
+    model = _bf16_model(family)
+    kept = hf_fp32_names(family)
+    loaded = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == (torch.float32 if n.endswith(kept) else torch.bfloat16) for n, d in loaded.items()), loaded
+    fp32_buffers = {n for n, b in model.named_buffers() if n.endswith(kept)}
+    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n in fp32_buffers)
+    assert bool(fp32_buffers) == (family == "deepseek_v3")
     _fit_one_step(model, method="frozen_router")
     for n, p in model.named_parameters():
-        assert p.dtype == (torch.bfloat16 if n.endswith("mlp.gate.weight") else torch.float32), n
-    assert dict(model.named_buffers())[bias].dtype == torch.float32
+        assert p.dtype == (loaded[n] if n.endswith("mlp.gate.weight") else torch.float32), n
+    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n in fp32_buffers)
 
 
 def test_full_precision_trainer_upcasts_frozen_half_weights_too():
@@ -132,6 +140,21 @@ def test_plan_units():
     assert plan_master_weights(model.float(), "bf16-mixed", "check") == []
     with pytest.raises(ValueError, match="method.master_weights='fp16'"):
         MoELightningModule(_bf16_model(), "sft", master_weights="fp16")
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v2", "deepseek_v3"])
+def test_fp32_kept_tensors_follow_vanilla_from_pretrained(family, tmp_path):
+    """A bf16 model cast wholly to bf16 (as DeepSpeed's engine does): ``keep_hf_fp32`` brings back exactly the dtypes
+    vanilla ``from_pretrained(dtype=bf16)`` gives each tensor, and ``in_load_dtype`` writes those dtypes."""
+    build_tiny(family).save_pretrained(tmp_path)
+    vanilla = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = {k: v.dtype for k, v in vanilla.state_dict().items()}
+    assert (torch.float32 in want.values()) == bool(hf_fp32_names(family))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).bfloat16()
+    assert {v.dtype for v in model.state_dict().values()} == {torch.bfloat16}
+    assert {k: v.dtype for k, v in in_load_dtype(model, model.state_dict()).items()} == want
+    keep_hf_fp32(model, torch.bfloat16)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == want
 
 
 def test_gpu_config_is_mixed_precision():
