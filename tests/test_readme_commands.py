@@ -42,24 +42,28 @@ SUBSTITUTIONS = {
         (r"=/local/(math_7k|commonsense_170k)\.json|=<commonsense_170k\.json>", "={data}/alpaca.json"),
         (r"=/local/(fineweb_edu\.jsonl|wikitext-103|wiki\.\S+)|=<c4\.jsonl>", "={data}/text.txt"),
         (r"/tmp/(train|test)\.txt", r"\1.txt"),  # the CPU smoke run's text files: written in the scratch dir
-        (r"(collect condense|task\.resume=)<run>", r"\1{latest:outputs/cd_moe_sft/*/*}"),
+        (r"(collect condense |task\.resume=)<run>", r"\1{latest:outputs/cd_moe_sft/*/*}"),
         (r"<condense run>", "{latest:outputs/condense/*/*}"),
         (r"<evaluate sweep dir>", "{latest:multirun/evaluate/*}"),
         (r"<student>|<conf/model entry or path>", "tiny_qwen3_moe"),
         (r"outputs/finetune/tiny_olmoe_sft/2026-11-22_10-00-00|<run>(?=/)",
          "{latest:outputs/finetune/tiny_olmoe_sft/*}"),
-        (r"(model=(?:deepseek_v2_lite|qwen1_5_moe).*)<calib>/calibration", r"\1=<calib>"),
+        (r"<calib>/calibration\.safetensors", "<calib>"),
         (r"<calib run>", "{latest:outputs/calibrate/tiny_qwen3_moe_*/*}"),
         (r"(deepseek_moe_\w+|model=deepseek_v2_lite) (.*)=(<calib>|\.\.\.)",
          r"\1 \2={latest:outputs/calibrate/tiny_deepseek_v2_*/*}/calibration.safetensors"),
-        (r"(qwen1_5_moe_\w+) (.*)=<calib>", r"\1 \2={latest:outputs/calibrate/tiny_qwen2_moe_*/*}/calibration.safetensors"),
         (r"multirun/(finetune|evaluate)/<time>", r"{latest:multirun/\1/*}"),
         (r"\$\{?t\}?", "intent"),  # the ESFT-task loop variable: its first value
         (r"task\.trainer\.max_steps=\d+", "task.trainer.max_steps=3"),  # resume-to-extend: 3 > 2 steps
+        (r"(\+experiment/row=compressed_experts_k_main_sweep)", r"\1 model.config.num_experts_per_tok=8"),  # k_main
+        #   2, 4, 6 of OLMoE's top-8 need a top-8 router: the tiny OLMoE routes to all of its 8 experts
+        (r"compress\.K=\d+(,\d+)*", "compress.K=4"),  # the real models' expert counts: the tiny ones have 8, top-2
     ],
-    # 2. Hydra sweeps keep their first value (tests/test_experiments.py composes every value of every sweep).
+    # 2. Hydra sweeps keep their first value, on the command line and in a preset's hydra.sweeper.params
+    #    (tests/test_experiments.py composes every value of every documented sweep).
     "sweep": "first value",
-    # 3. Group choices of the composed command -> overrides appended to it.
+    # 3. Group choices of the composed command -> overrides appended to it (task=estimate keeps its real model:
+    #    it builds it on the meta device, without weights).
     "choice": {
         "model": {real: [f"model={tiny}"] for real, tiny in TINY.items()},
         "hardware": {"gpu": ["hardware=cpu"]},
@@ -126,6 +130,17 @@ NOT_RUNNABLE = {
     "python run.py task=compress compress=prune compress.sweep=true compress.prune.strategy=small_moe "
     "'compress.prune.values=[48,32,24,16]' compress.calibration_file=...": "`...` elides the calibration file",
     "python run.py -m task=evaluate experiment=<the same preset> task.checkpoint=...": "a synopsis, not a command",
+    "python run.py -m task=evaluate experiment=densemixer/gsm_olmoe task.checkpoint=$(ls -d multirun/dm_gsm/*/export "
+    "| paste -sd, -)": "needs the hub: the preset's lm-eval gsm8k task reads openai/gsm8k",
+    "HF_ALLOW_CODE_EVAL=1 python run.py -m task=evaluate experiment=densemixer/codealpaca_olmoe "
+    "task.checkpoint=$(ls -d multirun/dm_code/*/export | paste -sd, -)":
+        "needs the hub: lm-eval humaneval / mbpp data and HF's code_eval metric",
+    "HF_ALLOW_CODE_EVAL=1 python run.py -m task=evaluate experiment=densemixer/nemotron_code_qwen3_base "
+    "task.checkpoint=...": "`...` elides the exports; its lm-eval code tasks need the hub",
+    "python run.py -m task=evaluate experiment=densemixer/s1_qwen3_base eval.generation.temperature=0.6 "
+    "eval.generation.top_p=0.95 task.checkpoint=...": "`...` elides the exports (the s1 fine-tune above runs)",
+    "python run.py experiment=condense/qwen1_5_moe_s condense.calibration_file=<calib>":
+        "<calib> is a Qwen1.5-MoE calibration, which no README command makes (step 1 shows DeepSeek-V2-Lite's)",
 }
 for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation"):
     NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
@@ -236,7 +251,13 @@ def substitute(command: str, data: Path) -> tuple[dict, list[str]]:
     choices = cfg.hydra.runtime.choices
     extra = []
     for group, table in SUBSTITUTIONS["choice"].items():
+        if group == "model" and choices.task == "estimate":
+            continue  # task=estimate reads a real model's typed-in architecture, no weights
         extra += [o.replace("{data}", str(data)) for o in table.get(choices.get(group), [])]
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params or {}) if "-m" in args else {}
+    if any("," in str(v) for v in params.values()):  # a preset's own sweep (+experiment/row=...): first values
+        first = ", ".join(f"{k}: {str(v).split(',')[0].strip()}" for k, v in params.items())
+        extra.append(f"hydra.sweeper.params={{{first}}}")
     given = {run._key(a) for a in args}
     for key, value in SUBSTITUTIONS["shrink"].items():
         if OmegaConf.select(cfg, key, default="<absent>") != "<absent>" and not (
@@ -265,7 +286,8 @@ def write_data(data: Path, cwd: Path) -> None:
                                                    {"role": "assistant", "content": a}]})
     jsonl("gsm8k.jsonl", lambda q, a: {"question": q, "answer": a})
     jsonl("codealpaca.jsonl", lambda q, a: {"instruction": q, "input": "", "output": a})
-    jsonl("s1k.jsonl", lambda q, a: {"question": q, "thinking_trajectories": [a], "attempt": a})
+    jsonl("s1k.jsonl", lambda q, a: {"question": q, "thinking_trajectories": [a], "attempt": a,  # s1K, s1K-1.1
+                                     "deepseek_thinking_trajectory": a, "deepseek_attempt": a})
     jsonl("sharegpt.jsonl", lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
     jsonl("esft_eval.jsonl", lambda q, a: {"prompt": q, "answers": [a]})
     jsonl("boxed.jsonl", lambda q, a: {"problem": q, "answer": "4"})
@@ -357,6 +379,8 @@ def test_every_runnable_readme_command_exits_0(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"cwd": str(tmp_path), "commands": runnable}))
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1",  # tiny models: one thread, no spin-waiting on a busy machine (6x faster at load 12)
            "MOE_LAB_DATA_DIR": str(ROOT.parent / "shared" / "data" / "llm_adapters")}
     proc = subprocess.run([sys.executable, "-m", "tests.test_readme_commands", str(plan)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
