@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from omegaconf import OmegaConf
 
 import run
 from moe_lab.distill.teacher import load_teacher, teacher_spec
-from tests.conftest import ROOT, build_tiny, tiny_model_cfg
+from tests.conftest import ROOT, SHARED_DATA, build_tiny, tiny_model_cfg
 
 CONF = ROOT / "conf"
 
@@ -114,3 +118,37 @@ def test_teacher_hub_id_offline_names_method_teacher(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(OSError, match=r"^method.teacher=org/not-a-model: .*method.teacher=/local/path"):
         load_teacher("org/not-a-model")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The documented overrides through run.py
+
+
+def _run_py(tmp_path, *argv):
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "MOE_LAB_DATA_DIR": str(SHARED_DATA)}
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_correlation_command_as_documented(tmp_path):
+    """``task.checkpoints.{base,esft,condenser}=<exports>`` on the command line, three tiny OLMoE exports."""
+    for i, name in enumerate(("base", "esft", "condenser")):
+        build_tiny("olmoe", seed=i).save_pretrained(tmp_path / name)
+    summary = _run_py(tmp_path, "task=correlation", "model=tiny_olmoe", *(f"task.checkpoints.{n}={tmp_path / n}" for n in
+                      ("base", "esft", "condenser")), "task.condensers={0: [2, 5], 1: [0, 1]}")
+    assert {"correlation/esft/mean", "correlation/condenser/mean"} <= set(summary)
+    assert (tmp_path / "run" / "correlation.png").is_file()
+
+
+@pytest.mark.slow
+def test_lm_eval_columns_as_documented(tmp_path):
+    """``eval.lm_eval.tasks={column: {task, metric}}`` adds that column (moe-lab's local BoolQ task, 2 rows)."""
+    summary = _run_py(tmp_path, "task=evaluate", "eval=math7", "eval.datasets=[gsm8k]", "eval.limit=2",
+                      "eval.generation.max_new_tokens=4", "eval.lm_eval.hub_tasks=false",
+                      "eval.lm_eval.tasks={BoolQ: {task: llm_adapters_boolq, metric: acc}}")
+    columns = {row["column"]: row["value"] for row in summary["table"]}
+    assert set(columns) >= {"GSM8K", "BoolQ"} and 0 <= columns["BoolQ"] <= 100

@@ -254,7 +254,8 @@ def substitute(command: str, data: Path) -> tuple[dict, list[str]]:
         if group == "model" and choices.task == "estimate":
             continue  # task=estimate reads a real model's typed-in architecture, no weights
         extra += [o.replace("{data}", str(data)) for o in table.get(choices.get(group), [])]
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params or {}) if "-m" in args else {}
+    params = cfg.hydra.sweeper.get("params") if "-m" in args else None
+    params = OmegaConf.to_container(params) if params else {}
     if any("," in str(v) for v in params.values()):  # a preset's own sweep (+experiment/row=...): first values
         first = ", ".join(f"{k}: {str(v).split(',')[0].strip()}" for k, v in params.items())
         extra.append(f"hydra.sweeper.params={{{first}}}")
