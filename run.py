@@ -117,6 +117,39 @@ def _task_of(run_dir: Path) -> str | None:
     return None
 
 
+# Maps a config declares empty (``{}``) for the command line to fill: ``task.checkpoints.base=<export>`` adds a key
+# (Hydra's struct mode would refuse it without a ``+``). Each names the field that selects the config declaring
+# it (value None: any); a map given while that config is not chosen is refused after composition.
+OPEN_MAPS = {
+    "task.checkpoints": ("task.name", "correlation"),
+    "task.runs": ("task.name", "activation_stats"),
+    "task.logs": ("task.name", "offload"),
+    "eval.lm_eval.tasks": ("eval.name", None),
+}
+
+
+def _open_map(override: str) -> str | None:
+    """The OPEN_MAPS entry a plain ``key=value`` override fills (None for any other override)."""
+    if override.startswith(("+", "~", "-")) or "=" not in override:
+        return None
+    key = _key(override)
+    return next((m for m in OPEN_MAPS if key == m or key.startswith(m + ".")), None)
+
+
+def check_open_maps(cfg: DictConfig, argv: list[str]) -> None:
+    """Refuse a filled open map whose declaring config is not composed (it would be added and never read)."""
+    for arg in argv:
+        name = _open_map(arg.removeprefix("++"))
+        if name is None or not arg.startswith("++"):
+            continue
+        field, wanted = OPEN_MAPS[name]
+        chosen = OmegaConf.select(cfg, field, default=None)
+        if chosen is None or (wanted is not None and chosen != wanted):
+            need = f"{field.split('.')[0]}={wanted}" if wanted else f"an {field.split('.')[0]} group"
+            raise ValueError(f"{_key(arg)}: only {need} reads {name} ({field} is {chosen}); drop the override "
+                             f"or add {need}")
+
+
 def expand_argv(argv: list[str]) -> list[str]:
     """Command-line conveniences, applied before Hydra parses it:
 
@@ -127,10 +160,11 @@ def expand_argv(argv: list[str]) -> list[str]:
     * into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``), Hydra writes no
       ``.hydra/``: the run's own files change only once the task accepts the run (:data:`_DEFERRED_SUBDIR`);
     * ``method.options.<name>=v`` may name any option (``++``), so that a misspelt one is refused by the
-      method itself with the list of valid options, instead of by Hydra with a ``+`` hint that fails too.
+      method itself with the list of valid options, instead of by Hydra with a ``+`` hint that fails too;
+    * the OPEN_MAPS (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
     """
     global _DEFERRED_SUBDIR
-    args = [f"++{a}" if a.startswith("method.options.") and "=" in a else a for a in argv[1:]]
+    args = [f"++{a}" if (a.startswith("method.options.") and "=" in a) or _open_map(a) else a for a in argv[1:]]
     resume = next((a.split("=", 1)[1] for a in args if a.startswith("task.resume=")), None)
     multirun = bool({"-m", "--multirun"} & set(args))
     given = {_key(a) for a in args if not a.startswith("-")}
@@ -199,6 +233,7 @@ def main(cfg: DictConfig):
 
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_open_maps(cfg, sys.argv[1:])
     defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))
     if _DEFERRED_SUBDIR is None:
         accept_run()  # a new run directory: written now

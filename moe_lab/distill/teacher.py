@@ -27,9 +27,39 @@ def weight_rule_name(rule: str) -> str:
     return rule
 
 
+def _conf_model_dir() -> Path:
+    """``conf/model`` of the running Hydra app (its primary config source), else the repository's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
+    for source in sources:
+        if source.provider == "main" and source.schema == "file":
+            return Path(source.path) / "model"
+    return Path(__file__).resolve().parents[2] / "conf" / "model"
+
+
+def teacher_spec(teacher: str | Path) -> dict:
+    """A string ``method.teacher`` as a model spec: an existing checkpoint folder, a ``conf/model`` entry name
+    (``tiny_qwen3_moe``), or a hub id (``org/name``); anything else is refused naming method.teacher."""
+    from omegaconf import OmegaConf
+
+    text = str(teacher)
+    if Path(text).expanduser().exists():
+        return {"pretrained": text, "tokenizer": text}
+    entries = _conf_model_dir()
+    if (entries / f"{text}.yaml").is_file():
+        return OmegaConf.to_container(OmegaConf.load(entries / f"{text}.yaml"), resolve=True)
+    if text.count("/") == 1 and not text.startswith((".", "~")):  # a hub id: load_model says how to go offline
+        return {"pretrained": text, "tokenizer": text}
+    names = sorted(p.stem for p in entries.glob("*.yaml"))
+    raise FileNotFoundError(
+        f"method.teacher={text}: neither a conf/model entry ({', '.join(names)}) nor an existing checkpoint "
+        f"folder (working directory {Path.cwd()}); set method.teacher=<entry name> or =/path/to/export")
+
+
 def load_teacher(teacher) -> nn.Module:
-    """A frozen teacher in eval mode: a loaded module, a ``conf/model`` entry (dict) or a checkpoint path.
-    An MoE of moe-lab's families or a dense causal LM (dense -> dense KD): loaded as for ``method=kd``."""
+    """A frozen teacher in eval mode: a loaded module, a ``conf/model`` entry (a dict, or its name) or a checkpoint
+    path. An MoE of moe-lab's families or a dense causal LM (dense -> dense KD): loaded as for ``method=kd``."""
     from ..models import load_model
     from ..plain import to_plain
 
@@ -38,10 +68,15 @@ def load_teacher(teacher) -> nn.Module:
     elif teacher is None:
         raise ValueError("method.teacher is not set: give a model config (e.g. method.teacher=${model}) or a path")
     else:
-        spec = to_plain(teacher)
+        spec, named = to_plain(teacher), None
         if isinstance(spec, (str, Path)):
-            spec = {"pretrained": str(spec), "tokenizer": str(spec)}
-        model, _ = load_model(spec, method="kd")
+            named, spec = str(spec), teacher_spec(spec)
+        try:
+            model, _ = load_model(spec, method="kd")
+        except OSError as err:
+            if named is None:
+                raise
+            raise OSError(f"method.teacher={named}: {err} (for the teacher: method.teacher=/local/path)") from None
     model.eval()
     model.requires_grad_(False)
     return model

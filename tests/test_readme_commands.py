@@ -1,0 +1,398 @@
+"""Every command README.md and experiments/*/README.md show either runs here or is listed with the reason it cannot.
+
+Commands are taken from ```bash / ```sh / ```shell / ```console blocks, indented code blocks and inline code
+spans that start with ``python`` (optionally after ``VAR=value`` assignments); a backslash continues a line and a
+trailing ``# comment`` is dropped. Each is either in NOT_RUNNABLE (command -> reason: a GPU, the hub, a cluster,
+an elided synopsis, a benchmark) or run on the CPU, in README order, by one Python process (``python -m
+tests.test_readme_commands <plan>``) that runs ``run.py`` / ``python -m <module>`` in-process (imports paid once)
+in a scratch directory, after the substitutions of SUBSTITUTIONS. Each run must exit 0.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("*/README.md"))]
+SHELL_BLOCKS = ("bash", "sh", "shell", "console")
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+\s+)*python\s")
+
+TINY = {"olmoe": "tiny_olmoe", "olmoe_0125": "tiny_olmoe", "qwen1_5_moe": "tiny_qwen2_moe",
+        "qwen3_moe": "tiny_qwen3_moe", "qwen3_30b_a3b_base": "tiny_qwen3_moe", "deepseek_v2_lite": "tiny_deepseek_v2",
+        "deepseek_coder_v2_lite_instruct": "tiny_deepseek_v2", "gpt_oss_20b": "tiny_gpt_oss",
+        "mixtral": "tiny_mixtral", "phimoe": "tiny_phimoe"}
+
+SUBSTITUTIONS = {
+    # 1. Text of the command (regex -> replacement): real checkpoints, /local files and placeholders. {data} is
+    #    the scratch data folder (tiny files in each format, written by write_data); {latest:<glob>} is the newest
+    #    path matching <glob> when the command runs (the run an earlier README command made).
+    "text": [
+        (r"\s*model\.pretrained=\S+", ""),  # real weights: the tiny sibling (below) is random
+        (r"=/local/(math_7k|commonsense_170k)\.json|=<commonsense_170k\.json>", "={data}/alpaca.json"),
+        (r"=/local/(fineweb_edu\.jsonl|wikitext-103|wiki\.\S+)|=<c4\.jsonl>", "={data}/text.txt"),
+        (r"/tmp/(train|test)\.txt", r"\1.txt"),  # the CPU smoke run's text files: written in the scratch dir
+        (r"(collect condense |task\.resume=)<run>", r"\1{latest:outputs/cd_moe_sft/*/*}"),
+        (r"<condense run>", "{latest:outputs/condense/*/*}"),
+        (r"<evaluate sweep dir>", "{latest:multirun/evaluate/*}"),
+        (r"<student>|<conf/model entry or path>", "tiny_qwen3_moe"),
+        (r"outputs/finetune/tiny_olmoe_sft/2026-11-22_10-00-00|<run>(?=/)",
+         "{latest:outputs/finetune/tiny_olmoe_sft/*}"),
+        (r"<calib>/calibration\.safetensors", "<calib>"),
+        (r"<calib run>", "{latest:outputs/calibrate/tiny_qwen3_moe_*/*}"),
+        (r"(deepseek_moe_\w+|model=deepseek_v2_lite) (.*)=(<calib>|\.\.\.)",
+         r"\1 \2={latest:outputs/calibrate/tiny_deepseek_v2_*/*}/calibration.safetensors"),
+        (r"multirun/(finetune|evaluate)/<time>", r"{latest:multirun/\1/*}"),
+        (r"\$\{?t\}?", "intent"),  # the ESFT-task loop variable: its first value
+        (r"task\.trainer\.max_steps=\d+", "task.trainer.max_steps=3"),  # resume-to-extend: 3 > 2 steps
+        (r"(\+experiment/row=compressed_experts_k_main_sweep)", r"\1 ++model.config.num_experts_per_tok=8"),  # k_main
+        #   2, 4, 6 of OLMoE's top-8 need a top-8 router: the tiny OLMoE routes to all of its 8 experts
+        (r"compress\.K=\d+(,\d+)*", "compress.K=4"),  # the real models' expert counts: the tiny ones have 8, top-2
+    ],
+    # 2. Hydra sweeps keep their first value, on the command line and in a preset's hydra.sweeper.params
+    #    (tests/test_experiments.py composes every value of every documented sweep).
+    "sweep": "first value",
+    # 3. Group choices of the composed command -> overrides appended to it (task=estimate keeps its real model:
+    #    it builds it on the meta device, without weights).
+    "choice": {
+        "model": {real: [f"model={tiny}"] for real, tiny in TINY.items()},
+        "hardware": {"gpu": ["hardware=cpu"]},
+        "logger": {"wandb": ["logger=csv"]},
+        "dataset": {
+            **{name: ["dataset.path={data}/alpaca.json"] for name in (
+                "math7k", "math10k", "math14k", "commonsense15k", "commonsense170k", "mathinstruct")},
+            **{name: ["dataset.path={data}/chat.jsonl"] for name in (
+                "esft_intent", "esft_law", "esft_summary", "esft_translation", "tulu3")},
+            **{name: ["dataset.path={data}/text.txt", "dataset.streaming=false"] for name in (
+                "fineweb_edu", "c4", "wikitext2", "wikitext103")},
+            "gsm8k_train": ["dataset.path={data}/gsm8k.jsonl"],
+            "codealpaca": ["dataset.path={data}/codealpaca.jsonl"],
+            "s1k": ["dataset.path={data}/s1k.jsonl"],
+            "nemotron_code": ["dataset.path={data}/sharegpt.jsonl"],
+        },
+        "eval": {
+            "esft": [f"eval.paths.esft_{t}={{data}}/esft_eval.jsonl" for t in ("intent", "law", "summary", "translation")],
+            "hard_reasoning": ["eval.paths.aime24={data}/boxed.jsonl", "eval.paths.math500={data}/boxed.jsonl"],
+        },
+    },
+    # 4. Shortened, local data: each key present in the composed config is set to this value (max_steps only
+    #    when the command does not set it).
+    "shrink": {
+        "condense.num_layers": 1, "condense.search.num_sequences": 4, "condense.search.seq_len": 32,
+        "condense.eval.tasks": "[llm_adapters_boolq]", "condense.eval.hub_tasks": False, "condense.eval.limit": 2,
+        "condense.search.dataset.path": "{data}/text.txt", "condense.search.dataset.streaming": False,
+        "compress.calibration.dataset.path": "{data}/text.txt", "compress.calibration.dataset.streaming": False,
+        "compress.eval.path": "{data}/text.txt",
+        "task.trainer.max_steps": 2, "task.trainer.val_check_interval": 2, "task.trainer.limit_val_batches": 1,
+        "task.trainer.accumulate_grad_batches": 1, "task.checkpoint_every_n_steps": 2,
+        "dataset.batch_size": 2, "dataset.max_length": 384, "dataset.num_examples": 32, "dataset.block_size": 32,
+        "dataset.num_blocks": 16, "dataset.val_blocks": 2, "dataset.packing": False,
+        "eval.limit": 2, "eval.generation.max_new_tokens": 8, "eval.generation.num_samples": 1,
+        "compress.calibration.num_sequences": 4, "compress.calibration.seq_len": 32,
+        "compress.eval.max_length": 32, "compress.eval.stride": 32, "compress.eval.max_tokens": 256,
+    },
+}
+
+NOT_RUNNABLE = {
+    'pip install torch==2.13.0 && pip install -e ".[dev]"': "installs packages (network, changes the environment)",
+    "python -m pytest -q": "the whole test suite, which holds this test",
+    'python -m pytest -q -m "not slow"': "the quick test suite, which holds this module",
+    "python -m pytest -m slurm": "needs a SLURM cluster (scripts/slurm_local.sh start; tests/test_slurm.py)",
+    "python run.py -m hydra/launcher=slurm method=sft,condenser model=olmoe hardware=gpu":
+        "needs a SLURM cluster (tests/test_slurm.py submits to a local one)",
+    "python run.py hardware=gpu_ddp model=olmoe model.pretrained=/local/OLMoE-1B-7B-0924":
+        "needs GPUs (DDP over NCCL; tests/test_strategies.py builds the strategy on CPU)",
+    "python run.py hardware=deepspeed_zero3 hardware.trainer.devices=8 model=qwen3_moe ...":
+        "needs 8 GPUs (DeepSpeed ZeRO-3), and `...` elides the rest",
+    "python -m moe_lab.tasks.checkpoint_io convert <run>/checkpoints/last.ckpt <run>/export_from_ckpt":
+        "<run> is a DeepSpeed run (last.ckpt a ZeRO directory, written on GPUs); a single-file .ckpt is refused "
+        "as needing no conversion (tests/test_strategies.py converts ZeRO checkpoints of DeepSpeed's CPU engine)",
+    "python -m moe_lab.tasks.checkpoint_io convert <zero dir> <out>":
+        "a synopsis; a ZeRO checkpoint directory is written on GPUs (tests/test_strategies.py converts CPU ones)",
+    "python run.py -m ...": "a synopsis (`...`), not a command",
+    "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
+    "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":
+        "`...` elides the one-point command above it",
+    "python run.py task=compress compress=prune compress.prune.strategy=small_dense compress.prune.n_keep=24 ...":
+        "`...` elides the calibration file and model",
+    "python run.py task=compress compress=paper_grid compress.calibration_file=... [compress.grid.K=[8,16,32,64,128]]":
+        "`...` and `[...]` are a synopsis",
+    "python run.py task=compress compress=prune compress.sweep=true compress.prune.strategy=small_moe "
+    "'compress.prune.values=[48,32,24,16]' compress.calibration_file=...": "`...` elides the calibration file",
+    "python run.py -m task=evaluate experiment=<the same preset> task.checkpoint=...": "a synopsis, not a command",
+    "python run.py -m task=evaluate experiment=densemixer/gsm_olmoe task.checkpoint=$(ls -d multirun/dm_gsm/*/export "
+    "| paste -sd, -)": "needs the hub: the preset's lm-eval gsm8k task reads openai/gsm8k",
+    "HF_ALLOW_CODE_EVAL=1 python run.py -m task=evaluate experiment=densemixer/codealpaca_olmoe "
+    "task.checkpoint=$(ls -d multirun/dm_code/*/export | paste -sd, -)":
+        "needs the hub: lm-eval humaneval / mbpp data and HF's code_eval metric",
+    "HF_ALLOW_CODE_EVAL=1 python run.py -m task=evaluate experiment=densemixer/nemotron_code_qwen3_base "
+    "task.checkpoint=...": "`...` elides the exports; its lm-eval code tasks need the hub",
+    "python run.py -m task=evaluate experiment=densemixer/s1_qwen3_base eval.generation.temperature=0.6 "
+    "eval.generation.top_p=0.95 task.checkpoint=...": "`...` elides the exports (the s1 fine-tune above runs)",
+    "python run.py experiment=condense/qwen1_5_moe_s condense.calibration_file=<calib>":
+        "<calib> is a Qwen1.5-MoE calibration, which no README command makes (step 1 shows DeepSeek-V2-Lite's)",
+}
+for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation"):
+    NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
+NOT_RUNNABLE.update({
+    "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
+    "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",
+    "python bench/methods.py --steps 8 --methods sft,esft --threads 1": "a benchmark (minutes of timing on purpose)",
+})
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Extraction
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    """Shell lines joined at backslashes, prompts and trailing comments dropped, loop keywords skipped."""
+    out = []
+    for line in re.sub(r"\s*\\\n\s*", " ", "\n".join(lines)).splitlines():
+        line = re.sub(r"\s+#.*$", "", line.strip().removeprefix("$ "))
+        if line and not line.startswith("#") and not re.match(r"^(for|do|done)\b", line):
+            out.append(line)
+    return out
+
+
+def commands_in(text: str) -> list[str]:
+    """The commands of one Markdown document, in order (see the module docstring)."""
+    lines, found, i, previous_blank = text.splitlines(), [], 0, True
+    while i < len(lines):
+        line = lines[i]
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+            if fence.group(1) in SHELL_BLOCKS:
+                found += _logical_lines(lines[i + 1:end])
+            i, previous_blank = end + 1, False
+            continue
+        if previous_blank and line.startswith("    ") and COMMAND.match(line.strip()):
+            end = i
+            while end < len(lines) and lines[end].startswith("    "):
+                end += 1
+            found += _logical_lines(lines[i:end])
+            i = end
+            continue
+        found += [span.replace(r"\|", "|").strip() for span in re.findall(r"`([^`]+)`", line)
+                  if COMMAND.match(span)]
+        previous_blank, i = not line.strip(), i + 1
+    return found
+
+
+def readme_commands() -> list[str]:
+    """Every command of the READMEs, first appearance first, without repeats."""
+    return list(dict.fromkeys(c for doc in DOCS for c in commands_in(doc.read_text())))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Substitution (done by the runner process, when the earlier commands' outputs exist)
+
+
+def _first_of_sweeps(tokens: list[str]) -> list[str]:
+    def first(tok):
+        if tok.startswith("-") or "=" not in tok:
+            return tok
+        key, value = tok.split("=", 1)
+        return tok if re.search(r"[\[\]{}()$]", value) or "," not in value else f"{key}={value.split(',')[0]}"
+    return [first(t) for t in tokens]
+
+
+def _late(text: str, data: Path) -> str:
+    """{data}, {latest:<glob>}, ``$(ls -d <glob> | paste -sd, -)`` resolved in the current directory."""
+    def latest(m):
+        paths = sorted(glob.glob(m.group(1)), key=os.path.getmtime)
+        if not paths:
+            raise LookupError(f"no {m.group(1)} yet: a README command should make it")
+        return paths[-1]
+
+    text = text.replace("{data}", str(data))
+    text = re.sub(r"\{latest:([^}]+)\}", latest, text)
+    return re.sub(r"\$\(ls -d (\S+) \| paste -sd, -\)", lambda m: ",".join(sorted(glob.glob(m.group(1)))), text)
+
+
+def _compose_choices(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def substitute(command: str, data: Path) -> tuple[dict, list[str]]:
+    """``(environment, argv)`` that runs ``command`` here: SUBSTITUTIONS applied in order."""
+    from omegaconf import OmegaConf
+
+    for pattern, replacement in SUBSTITUTIONS["text"]:
+        command = re.sub(pattern, replacement, command)
+    tokens = shlex.split(_late(command, data))
+    env = {}
+    while re.match(r"^[A-Z_]+=", tokens[0]):
+        key, value = tokens.pop(0).split("=", 1)
+        env[key] = value
+    assert tokens[0] == "python", command
+    argv = tokens[1:]
+    if argv[0] != "run.py":
+        return env, [a for arg in argv for a in (sorted(glob.glob(arg)) if "*" in arg else [arg])]
+    args = _first_of_sweeps(argv[1:])
+    import run
+
+    overrides = [a for a in run.expand_argv(["run.py", *args])[1:] if not a.startswith("-")]
+    cfg = _compose_choices(overrides)
+    choices = cfg.hydra.runtime.choices
+    extra = []
+    for group, table in SUBSTITUTIONS["choice"].items():
+        if group == "model" and choices.task == "estimate":
+            continue  # task=estimate reads a real model's typed-in architecture, no weights
+        extra += [o.replace("{data}", str(data)) for o in table.get(choices.get(group), [])]
+    params = cfg.hydra.sweeper.get("params") if "-m" in args else None
+    params = OmegaConf.to_container(params) if params else {}
+    if any("," in str(v) for v in params.values()):  # a preset's own sweep (+experiment/row=...): first values
+        first = ", ".join(f"{k}: {str(v).split(',')[0].strip()}" for k, v in params.items())
+        extra.append(f"hydra.sweeper.params={{{first}}}")
+    given = {run._key(a) for a in args}
+    for key, value in SUBSTITUTIONS["shrink"].items():
+        if OmegaConf.select(cfg, key, default="<absent>") != "<absent>" and not (
+                key == "task.trainer.max_steps" and key in given):
+            value = str(value).lower() if isinstance(value, bool) else str(value).replace("{data}", str(data))
+            extra.append(f"{key}={value}")
+    return env, ["run.py", *args, *extra]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The runner process
+
+
+def write_data(data: Path, cwd: Path) -> None:
+    """Tiny local files standing in for hub data, one per format (math rows from ../shared/data)."""
+    from tests.conftest import SHARED_DATA, word_text
+
+    data.mkdir(parents=True, exist_ok=True)
+    rows = json.loads((SHARED_DATA / "math_data.json").read_text())[:48]
+    (data / "alpaca.json").write_text(json.dumps(rows))
+    qa = [(r["instruction"], r["output"]) for r in rows]
+
+    def jsonl(name, make):
+        (data / name).write_text("".join(json.dumps(make(q, a)) + "\n" for q, a in qa))
+    jsonl("chat.jsonl", lambda q, a: {"messages": [{"role": "user", "content": q},
+                                                   {"role": "assistant", "content": a}]})
+    jsonl("gsm8k.jsonl", lambda q, a: {"question": q, "answer": a})
+    jsonl("codealpaca.jsonl", lambda q, a: {"instruction": q, "input": "", "output": a})
+    jsonl("s1k.jsonl", lambda q, a: {"question": q, "thinking_trajectories": [a], "attempt": a,  # s1K, s1K-1.1
+                                     "deepseek_thinking_trajectory": a, "deepseek_attempt": a})
+    jsonl("sharegpt.jsonl", lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    jsonl("esft_eval.jsonl", lambda q, a: {"prompt": q, "answers": [a]})
+    jsonl("boxed.jsonl", lambda q, a: {"problem": q, "answer": "4"})
+    word_text(data / "text.txt", 120)
+    word_text(cwd / "train.txt", 120)
+    word_text(cwd / "test.txt", 20, seed=1)
+    gold = json.loads((SHARED_DATA / "gsm8k.test.json").read_text())
+    (cwd / "preds.jsonl").write_text("".join(json.dumps({"id": i, "prediction": f"The answer is {r['answer']}"})
+                                             + "\n" for i, r in enumerate(gold)))
+
+
+def _run_one(env: dict, argv: list[str]) -> int:
+    """Run in this process; a multi-process run (DDP leaves its process group behind) in its own process."""
+    if argv[0] == "run.py" and "hardware=ddp_cpu" in argv:
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), *argv[1:]], env={**os.environ, **env},
+                              check=False).returncode
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        if argv[0] == "run.py":
+            sys.argv = [str(ROOT / "run.py"), *argv[1:]]
+            runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            raise ValueError(f"no runner for {argv}")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return 0
+
+
+def run_plan(plan: Path) -> None:
+    """``python -m tests.test_readme_commands <plan.json>``: run the commands, write ``<plan>.results.json``. A
+    command whose placeholder names the output of a later README command runs after the others."""
+    spec = json.loads(plan.read_text())
+    cwd, data = Path(spec["cwd"]), Path(spec["cwd"]) / "data"
+    os.chdir(cwd)
+    sys.path.insert(0, str(ROOT))
+    write_data(data, cwd)
+    results, queue, deferred = [], list(spec["commands"]), set()
+    while queue:
+        command, t0 = queue.pop(0), time.time()
+        try:
+            env, argv = substitute(command, data)
+            print(f"\n==== README command: {command}\n==== runs as: {' '.join(argv)}", flush=True)
+            rc = _run_one(env, argv)
+        except LookupError as err:
+            if command not in deferred:
+                print(f"==== later: {command} ({err})", flush=True)
+                deferred.add(command)
+                queue.append(command)
+                continue
+            print(f"==== error: {err}", flush=True)
+            rc, argv = 1, []
+        except Exception as err:  # noqa: BLE001 - reported per command
+            print(f"==== error: {err.__class__.__name__}: {err}", flush=True)
+            rc, argv = 1, []
+        results.append({"command": command, "argv": argv, "rc": rc, "seconds": round(time.time() - t0, 1)})
+        print(f"==== rc={rc} in {results[-1]['seconds']} s", flush=True)
+        Path(str(plan) + ".results.json").write_text(json.dumps(results, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tests
+
+
+def test_every_command_is_run_or_listed_with_a_reason():
+    commands = readme_commands()
+    assert len(commands) > 40
+    stale = sorted(set(NOT_RUNNABLE) - set(commands))
+    assert not stale, f"NOT_RUNNABLE lists commands no README shows: {stale}"
+    assert all(reason.strip() for reason in NOT_RUNNABLE.values())
+
+
+def test_extraction_joins_continuations_and_drops_comments():
+    text = ("```bash\npython run.py a=1 \\\n    b=2   # why\n$ python -m x y\n```\n```python\npython run.py no\n```\n"
+            "\n    python run.py c=3 \\\n        d=4\n\nsee `python bench/kd.py` and `HF_X=1 python run.py e=5 \\| f`\n")
+    assert commands_in(text) == ["python run.py a=1 b=2", "python -m x y", "python run.py c=3 d=4",
+                                 "python bench/kd.py", "HF_X=1 python run.py e=5 | f"]
+
+
+@pytest.mark.slow
+def test_every_runnable_readme_command_exits_0(tmp_path):
+    runnable = [c for c in readme_commands() if c not in NOT_RUNNABLE]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"cwd": str(tmp_path), "commands": runnable}))
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1",  # tiny models: one thread, no spin-waiting on a busy machine (6x faster at load 12)
+           "MOE_LAB_DATA_DIR": str(ROOT.parent / "shared" / "data" / "llm_adapters")}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_readme_commands", str(plan)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800, check=False)
+    log = proc.stdout + proc.stderr
+    (tmp_path / "runner.log").write_text(log)
+    results_file = Path(str(plan) + ".results.json")
+    results = json.loads(results_file.read_text()) if results_file.is_file() else []
+    failed = [r for r in results if r["rc"] != 0]
+    assert proc.returncode == 0 and len(results) == len(runnable) and not failed, (
+        f"{len(failed)} of {len(runnable)} failed: {[r['command'] for r in failed]}\n{log[-8000:]}")
+
+
+if __name__ == "__main__":
+    run_plan(Path(sys.argv[1]))
