@@ -124,6 +124,7 @@ OPEN_MAPS = {
     "task.checkpoints": ("task.name", "correlation"),
     "task.runs": ("task.name", "activation_stats"),
     "task.logs": ("task.name", "offload"),
+    "task.candidates": ("task.name", "d2d_prune"),
     "eval.lm_eval.tasks": ("eval.name", None),
 }
 
