@@ -204,7 +204,7 @@ def condense_task(cfg: DictConfig) -> dict:
         summary["layer_loss_files"] = [str(p) for p in write_layer_losses(single, out, cfg.model.name)]
     speed = f", speed-up {summary['speedup']:.2f}x" if "speedup" in summary else ""
     print(f"==== moe-lab condense ({c.method}): layers {order}, memory ratio {100 * after / before:.2f}%, "
-          f"active params {active_after / 1e9:.3f}B of {active_before / 1e9:.3f}B{speed}", flush=True)
+          f"active params {active_after:,} of {active_before:,}{speed}", flush=True)
     if c.export and c.method == "cd_moe":
         summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
