@@ -25,6 +25,7 @@ EXPERIMENTS = CONF / "experiment"
 
 OLMOE_0125, OLMOE_0924 = "allenai/OLMoE-1B-7B-0125", "allenai/OLMoE-1B-7B-0924"
 QWEN15, DSV2 = "Qwen/Qwen1.5-MoE-A2.7B", "deepseek-ai/DeepSeek-V2-Lite"
+DSMOE16 = "checkpoints/deepseek-moe-16b-base-qwen2moe"  # moe_lab.convert deepseek_moe output
 HF_BETAS, HF_WD = [0.9, 0.999], 0.0  # HF Trainer defaults, used where a paper and its code are silent
 
 
@@ -85,14 +86,14 @@ COMPRESSION = {
     "moe_to_dense/d2d_distill_qwen3_32b": dict(KD_RECIPE, model="Qwen/Qwen3-32B", d2d="distill"),
     # CD-MoE: S keeps no routed expert, SR keeps the active routed count (DeepSeek 6, Qwen1.5 4); C4 search data
     # 100 documents x 256 tokens (CD-code); layer counts of the paper's main rows
-    "condense/deepseek_moe_s": {"model": DSV2, "routed": 0, "layers": 8},
-    "condense/deepseek_moe_sr": {"model": DSV2, "routed": 6, "layers": 9},
+    "condense/deepseek_moe_s": {"model": DSMOE16, "routed": 0, "layers": 8},
+    "condense/deepseek_moe_sr": {"model": DSMOE16, "routed": 6, "layers": 9},
     "condense/qwen1_5_moe_s": {"model": QWEN15, "routed": 0, "layers": 6},
     "condense/qwen1_5_moe_sr": {"model": QWEN15, "routed": 4, "layers": 6},
     # CD-MoE + SFT (3.8, A4-3) on Commonsense-170K: the paper's lr 1e-4, 10% warm-up, cosine, bf16; [CD-code]'s
     # 1 epoch, batch 8, 256 tokens; cd_sft_recipe=code: lr 1e-5, linear, a C4 epoch (10k x 256 tokens) first
-    "condense/deepseek_moe_s_sft": {"model": DSV2, "routed": 0, "layers": 8, "sft": "commonsense170k"},
-    "condense/deepseek_moe_sr_sft": {"model": DSV2, "routed": 6, "layers": 9, "sft": "commonsense170k"},
+    "condense/deepseek_moe_s_sft": {"model": DSMOE16, "routed": 0, "layers": 8, "sft": "commonsense170k"},
+    "condense/deepseek_moe_sr_sft": {"model": DSMOE16, "routed": 6, "layers": 9, "sft": "commonsense170k"},
     "condense/qwen1_5_moe_s_sft": {"model": QWEN15, "routed": 0, "layers": 6, "sft": "commonsense170k"},
     "condense/qwen1_5_moe_sr_sft": {"model": QWEN15, "routed": 4, "layers": 6, "sft": "commonsense170k"},
 }

@@ -120,7 +120,8 @@ def js_divergence(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = 
 class CondensedLayer(nn.Module):
     """Shared path + sum_{i in C} g_i E_i(x) for every token: the retained experts' packed slices
     (``gate_up_proj`` [K, 2I, H], ``down_proj`` [K, H, I]), fixed gates ``gates`` [K] and the retained ids
-    ``expert_ids`` [K] as buffers, the family's shared expert (and its sigmoid gate) as submodules.
+    ``expert_ids`` [K] as buffers, the family's shared expert (and its sigmoid gate) as submodules. The gates
+    stay fp32 whatever the model dtype (``.to(bf16)`` included) and scale the expert activations in fp32.
     Stateless (no counters, no files), so activation checkpointing and batched evaluation are safe."""
 
     def __init__(self, view: MoELayerView, experts: Sequence[int], gates: torch.Tensor):
@@ -136,7 +137,7 @@ class CondensedLayer(nn.Module):
         dev = packed.gate_up_proj.device
         self.gate_up_proj = nn.Parameter(packed.gate_up_proj.detach()[ids.to(dev)].clone())
         self.down_proj = nn.Parameter(packed.down_proj.detach()[ids.to(dev)].clone())
-        self.register_buffer("gates", gates.detach().to(device=dev, dtype=packed.down_proj.dtype).clone())
+        self.register_buffer("gates", gates.detach().to(device=dev, dtype=torch.float32).clone())
         self.register_buffer("expert_ids", ids.to(dev))
         self.act_fn = packed.act_fn
         self.shared_attr = view.spec.shared_attr
@@ -153,8 +154,15 @@ class CondensedLayer(nn.Module):
         if not self.expert_ids.numel():
             return torch.zeros_like(x)
         gate, up = torch.einsum("nh,kih->kni", x, self.gate_up_proj).chunk(2, dim=-1)
-        act = self.act_fn(gate) * up * self.gates.view(-1, 1, 1)
+        act = self.act_fn(gate) * up
+        act = (act.float() * self.gates.view(-1, 1, 1)).to(act.dtype)
         return torch.einsum("kni,khi->nh", act, self.down_proj)
+
+    def _apply(self, fn, recurse=True):
+        gates = self.gates
+        super()._apply(fn, recurse)
+        self._buffers["gates"] = gates.to(device=self.gates.device, dtype=torch.float32)  # casts skip the gates
+        return self
 
     def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared path (Qwen2-MoE: with its token-wise sigmoid gate), None without shared experts."""
@@ -280,6 +288,8 @@ def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None 
     model.config.save_pretrained(path)
     config_in_load_dtype(model, path)
     state = {k: v.detach().cpu().contiguous() for k, v in in_load_dtype(model, model.state_dict()).items()}
+    for info in record.values():  # the fixed gates stay fp32 (CondensedLayer)
+        state[f"{info['name']}.gates"] = model.get_submodule(info["name"]).gates.detach().cpu().float()
     seen: dict[int, str] = {}
     for key in list(state):  # tied weights: store once (safetensors refuses shared storage)
         ptr = state[key].untyped_storage().data_ptr()

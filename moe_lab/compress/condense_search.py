@@ -270,22 +270,66 @@ def require_search_stats(calibration: Calibration) -> None:
 
 
 # expert-selection baselines (spec 3.7) ------------------------------------------------------------------------
-def alpha_hill(weight: torch.Tensor, k: int | None = None) -> float:
-    """PL_Alpha_Hill of one matrix: eigenvalues l_1 <= .. <= l_n of W^T W, k_h = floor(n/2) by default,
-    alpha = 1 + k_h / sum_{i=1}^{k_h} ln(l_{n-i+1} / l_{n-k_h})."""
-    lam = torch.linalg.svdvals(weight.double()).pow(2).sort().values
+ALPHA_HILL_XMIN = ("peak", "mid")
+
+
+def alpha_hill(weight: torch.Tensor, k: int | None = None, xmin: str = "peak", bins: int = 100) -> float:
+    """PL_Alpha_Hill of one matrix (paper Eq. 6): eigenvalues l_1 <= .. <= l_n of W^T W,
+    alpha = 1 + k_h / sum_{i=1}^{k_h} ln(l_{n-i+1} / l_{n-k_h}). k_h: given ``k``; ``xmin="peak"`` (the paper's
+    Fix-Finger, WeightWatcher's ``xmin_peak``): x_min = l_{n-k_h} ranges over the eigenvalues within
+    [0.95, 1.5] x the left edge of the peak bin of a ``bins``-bin histogram of log10 l, and the k_h whose power
+    law fits the tail best (smallest Kolmogorov-Smirnov distance) is kept; ``xmin="mid"``: k_h = floor(n/2)."""
+    return alpha_hill_eigenvalues(torch.linalg.svdvals(weight.double()).pow(2), k, xmin, bins)
+
+
+def alpha_hill_eigenvalues(eigenvalues: torch.Tensor, k: int | None = None, xmin: str = "peak",
+                           bins: int = 100) -> float:
+    """:func:`alpha_hill` from the eigenvalues of W^T W (any order)."""
+    lam = eigenvalues.double().sort().values
     n = lam.numel()
-    k = n // 2 if k is None else int(k)
-    if not 1 <= k < n:
-        raise ValueError(f"alpha_hill needs 1 <= k_h < n (n = {n}, k_h = {k})")
+    if k is not None or xmin == "mid":
+        k = n // 2 if k is None else int(k)
+        if not 1 <= k < n:
+            raise ValueError(f"alpha_hill needs 1 <= k_h < n (n = {n}, k_h = {k})")
+        return _hill(lam, k)
+    if xmin != "peak":
+        raise ValueError(f"condense.alpha_hill_xmin={xmin!r}: choose one of {', '.join(ALPHA_HILL_XMIN)}")
+    log = torch.log10(lam.clamp_min(torch.finfo(torch.float64).tiny))
+    counts = torch.histc(log, bins, min=float(log.min()), max=float(log.max()))
+    edges = torch.linspace(float(log.min()), float(log.max()), bins + 1, dtype=torch.float64)
+    peak = 10 ** float(edges[int(torch.argmax(counts))])
+    lo, hi = 0.95 * peak, 1.5 * peak
+    cand = [j for j in range(n - 1) if lo <= float(lam[j]) <= hi]  # x_min = lam[j], k_h = n - 1 - j above it
+    if not cand:  # no eigenvalue in the window (degenerate spectrum): the middle
+        return _hill(lam, n // 2)
+    j = torch.tensor(cand)
+    k_h = (n - 1 - j).double()
+    logs = lam.log()
+    above = logs.flip(0).cumsum(0).flip(0)  # above[t] = sum_{s >= t} log lam_s
+    alpha = 1 + k_h / (above[j + 1] - k_h * logs[j])
+    # Kolmogorov-Smirnov distance of each fit on its tail (rows: candidates; masked beyond each tail)
+    pos = torch.arange(n, dtype=torch.float64)
+    rank = pos[None, :] - j[:, None].double()  # 1..k_h on the tail
+    on_tail = (rank >= 1)
+    ratio = torch.where(on_tail, lam[None, :] / lam[j][:, None], torch.ones(1, dtype=torch.float64))
+    fit = 1 - ratio.pow(1 - alpha[:, None])
+    emp = rank / k_h[:, None]
+    gap = torch.maximum((fit - emp).abs(), (fit - emp + 1 / k_h[:, None]).abs())
+    dist = torch.where(on_tail, gap, torch.zeros(1, dtype=torch.float64)).amax(1)
+    return float(alpha[int(torch.argmin(dist))])
+
+
+def _hill(lam: torch.Tensor, k: int) -> float:
+    n = lam.numel()
     return 1.0 + k / float(torch.log(lam[n - k:] / lam[n - k - 1]).sum())
 
 
 def expert_baseline(model: nn.Module, calibration: Calibration, method: str, routed: int,
-                    layers: Sequence[int] | None = None, seed: int = 0, fallback: str = "exclude"
-                    ) -> dict[int, list[int]]:
+                    layers: Sequence[int] | None = None, seed: int = 0, fallback: str = "exclude",
+                    xmin: str = "peak") -> dict[int, list[int]]:
     """``routed`` experts per layer by ``random`` (seeded), ``l1`` (smallest sum |W| over gate, up, down) or
-    ``alpha_hill`` (lowest mean alpha over the three matrices); never-selected experts excluded like the greedy."""
+    ``alpha_hill`` (lowest mean alpha over the three matrices, k_h by ``xmin``: :func:`alpha_hill`);
+    never-selected experts excluded like the greedy."""
     if method not in EXPERT_BASELINES[1:]:
         raise ValueError(f"condense.expert_selection={method!r}: choose one of {', '.join(EXPERT_BASELINES)}")
     views = moe_views(model)
@@ -301,7 +345,7 @@ def expert_baseline(model: nn.Module, calibration: Calibration, method: str, rou
         elif method == "l1":
             score = (gate_up.double().abs().sum((1, 2)) + down.double().abs().sum((1, 2))).cpu()
         else:
-            score = torch.tensor([sum(alpha_hill(w) for w in (*gate_up[e].chunk(2, 0), down[e])) / 3
+            score = torch.tensor([sum(alpha_hill(w, xmin=xmin) for w in (*gate_up[e].chunk(2, 0), down[e])) / 3
                                   for e in range(view.num_experts)], dtype=torch.float64)
         score = torch.where(valid, score, torch.full_like(score, math.inf))
         order = torch.sort(score, stable=True).indices.tolist()
@@ -345,9 +389,9 @@ class LayerSearch:
         finally:
             for i, module in old.items():
                 replace_module(self.model, self.views[i].name, module)
-        if self.metric == "ppl":
-            return float(torch.stack([_ppl(o, b) - _ppl(r, b) for o, r, b in
-                                      zip(outs, self.ref, self.batches)]).mean())
+        if self.metric == "ppl":  # mean over SEQUENCES (every batch size weighs its rows, not one mean per batch)
+            return float(torch.cat([_ppl(o, b) - _ppl(r, b) for o, r, b in
+                                    zip(outs, self.ref, self.batches)]).mean())
         values, seqs, offset = [], [], 0
         for o, r, b in zip(outs, self.ref, self.batches):
             ro, seq, n = flatten_real(r, b.get("attention_mask"))
@@ -368,20 +412,24 @@ class LayerSearch:
             best.append(losses[layer])
         return chosen, best
 
+    def single_losses(self) -> dict[int, float]:
+        """``{layer: loss of condensing it alone}`` at the final output (the paper's Figs. 2 and 5)."""
+        return {i: self.loss([i]) for i in self.layers}
+
     def global_rank(self) -> list[int]:
         """Global Layer Rank: each layer condensed alone, final-output loss ascending."""
-        losses = {i: self.loss([i]) for i in self.layers}
+        losses = self.single_losses()
         return sorted(self.layers, key=lambda i: (losses[i], i))
 
 
 def _ppl(logits: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Mean over sequences of each sequence's perplexity (next-token NLL over real targets)."""
+    """Each sequence's perplexity [B] (next-token NLL over real targets)."""
     ids = batch["input_ids"].to(logits.device)
     mask = batch.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
     valid = (mask[:, 1:] * mask[:, :-1]).float()
-    return torch.exp((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+    return torch.exp((nll * valid).sum(1) / valid.sum(1).clamp_min(1))
 
 
 def layer_rank(model: nn.Module, calibration: Calibration, batches, experts: Mapping[int, Sequence[int]],
@@ -398,6 +446,16 @@ def layer_rank(model: nn.Module, calibration: Calibration, batches, experts: Map
             tmp = cache.out - cache.y + _first(y).squeeze(0).float()
         losses[i] = _loss(cache.out, tmp, cache)
     return sorted(losses, key=lambda i: (losses[i], i))
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters one token uses: all parameters minus, in every still-routed MoE layer, the E - k experts it
+    does not select (condensed layers: every retained expert is active; trimmed ones have none)."""
+    total = sum(p.numel() for p in model.parameters())
+    for view in moe_views(model).values():
+        per_expert = view.gate_up_proj[0].numel() + view.down_proj[0].numel()
+        total -= (view.num_experts - view.top_k) * per_expert
+    return total
 
 
 # LayerTrim / BlockTrim (spec 3.7, He et al. 2024) -----------------------------------------------------------

@@ -34,12 +34,19 @@ def condensed_trainable(model: torch.nn.Module) -> list[str]:
     return names
 
 
+LOSS_TOKENS = ("response", "all")
+
+
 class CondenseSFTModule(MoELightningModule):
     """:class:`MoELightningModule` on the condensed model of ``options.condensed``, condensed experts only."""
 
     def __init__(self, model: torch.nn.Module, options: dict | None = None, **kwargs):
         options = dict(options or {})
         path = options.pop("condensed", None)
+        loss_tokens = options.pop("loss_tokens", "response")
+        if loss_tokens not in LOSS_TOKENS:
+            raise ValueError(f"method.options.loss_tokens={loss_tokens!r}: choose response (the dataset's labels) or "
+                             "all ([CD-code]: labels = input_ids, prompt and padding included)")
         if not path:
             raise ValueError("method=condense_sft needs method.options.condensed=<task=condense run>/export")
         base = model.config.model_type
@@ -52,7 +59,17 @@ class CondenseSFTModule(MoELightningModule):
         super().__init__(condensed, options=options, **kwargs)
         self.trainable_names = condensed_trainable(condensed)
         self.patch.export_hooks.append(lambda directory: _rewrite_export(condensed, directory, path))
-        self.hparams["options"] = {"condensed": str(path), **options}
+        self.loss_tokens = loss_tokens
+        self.hparams["options"] = {"condensed": str(path), "loss_tokens": loss_tokens, **options}
+
+    def _step(self, batch, stage: str):
+        """``loss_tokens=all``: the loss on every position, prompt and padding included ([CD-code])."""
+        if self.loss_tokens == "all":
+            if "position_ids" in batch:
+                raise ValueError("method.options.loss_tokens=all trains on padding, which packed rows do not "
+                                 "have: set dataset.packing=false")
+            batch = {**batch, "labels": batch["input_ids"].clone()}
+        return super()._step(batch, stage)
 
 
 def _rewrite_export(model: torch.nn.Module, directory, source) -> None:

@@ -24,20 +24,67 @@ def _positive(c, key: str) -> int:
     return int(value)
 
 
+SAMPLES = ("random", "first", "documents")
+
+
+def document_batches(dm, tokenizer, n: int, seq_len: int | None, batch_size: int) -> list[dict]:
+    """[CD-code]'s calibration rows: the first ``n`` documents of a text dataset, one per row, BOS in front,
+    truncated to ``seq_len`` tokens (None: whole documents), right-padded per batch with an attention mask."""
+    from ..data.collate import text_ids, with_bos
+    from ..data.sources import source_label, where
+
+    docs = []
+    for i, row in enumerate(dm._rows(dm.split, dm.streaming)):
+        text = row.get(dm.text_field)
+        if not isinstance(text, str):
+            raise TypeError(f"{where(source_label(dm.path), i)}: field '{dm.text_field}' must be a string")
+        if not text.strip():  # an empty line / document is no calibration row
+            continue
+        ids = with_bos(tokenizer, text_ids(tokenizer, text))
+        docs.append(ids[:seq_len] if seq_len else ids)
+        if len(docs) == n:
+            break
+    if len(docs) < n:
+        raise ValueError(f"{source_label(dm.path)} has {len(docs)} non-empty documents, fewer than "
+                         f"num_sequences={n}: lower it or add data")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    batches = []
+    for start in range(0, n, batch_size):
+        rows = docs[start:start + batch_size]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    return batches
+
+
 def calibration_sequences(dataset_cfg: DictConfig, tokenizer, c) -> tuple[list[dict], str]:
     """Batches of calibration sequences from any ``conf/dataset`` entry, and a source label.
 
     Text datasets give ``num_sequences`` blocks of ``seq_len`` tokens (sampled with ``seed`` from the pool,
-    or the first ones); other datamodules give their first ``num_sequences`` training rows as they pad them.
+    or the first ones), or with ``sample=documents`` the first ``num_sequences`` documents one per row
+    (:func:`document_batches`; ``seq_len`` null: untruncated); other datamodules give their first
+    ``num_sequences`` training rows as they pad them.
     """
-    n, seq_len, batch_size = (_positive(c, k) for k in ("num_sequences", "seq_len", "batch_size"))
-    if c.sample not in ("random", "first"):
-        raise ValueError(f"compress.calibration.sample={c.sample!r}: choose random or first")
+    if c.sample not in SAMPLES:
+        raise ValueError(f"compress.calibration.sample={c.sample!r}: choose one of {', '.join(SAMPLES)}")
+    untruncated = c.sample == "documents" and c.get("seq_len") is None
+    n, batch_size = (_positive(c, k) for k in ("num_sequences", "batch_size"))
+    seq_len = None if untruncated else _positive(c, "seq_len")
     no_val = {"val_split": None} if "val_split" in dataset_cfg else {}  # calibration reads training data only
     dm = instantiate(dataset_cfg, tokenizer=tokenizer, **no_val)
     label = f"{dataset_cfg.get('path')}"
     if dataset_cfg.get("name"):
         label += f" ({dataset_cfg.name})"
+    if c.sample == "documents":
+        if not hasattr(dm, "read_blocks"):
+            raise ValueError(f"compress.calibration.sample=documents needs a text dataset (c4, wikitext103, ...); "
+                             f"{label} is not one")
+        batches = document_batches(dm, tokenizer, n, seq_len, batch_size)
+        cut = "untruncated" if seq_len is None else f"truncated to {seq_len} tokens"
+        return batches, label + f" split={dm.split}, first {n} documents, BOS, {cut}, batch {batch_size}, padded"
     if hasattr(dm, "read_blocks"):
         dm.block_size = seq_len
         pool = c.pool_blocks

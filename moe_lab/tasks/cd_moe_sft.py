@@ -49,11 +49,19 @@ def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
     calibration = c.calibration_file
     if not calibration:
         s = c.search
+        gate_pass = c.get("gate_pass", "search")
+        if gate_pass not in ("search", "untruncated"):
+            raise ValueError(f"condense.gate_pass={gate_pass!r}: choose search (the search rows) or untruncated "
+                             "(the search documents whole, batch 1, as [CD-code])")
+        if gate_pass == "untruncated" and s.sample != "documents":
+            raise ValueError("condense.gate_pass=untruncated takes the search documents whole: it needs "
+                             "condense.search.sample=documents")
+        whole = gate_pass == "untruncated"
         calibration = calibrate_task(stage_config(cfg, out / "calibrate", **{
             "compress.calibration.dataset": to_plain(s.dataset), "compress.calibration.num_sequences": s.num_sequences,
-            "compress.calibration.seq_len": s.seq_len, "compress.calibration.sample": s.sample,
+            "compress.calibration.seq_len": None if whole else s.seq_len, "compress.calibration.sample": s.sample,
             "compress.calibration.pool_blocks": s.pool_blocks, "compress.calibration.seed": s.seed,
-            "compress.calibration.batch_size": s.batch_size}))["calibration"]
+            "compress.calibration.batch_size": 1 if whole else s.batch_size}))["calibration"]
     tasks = list(c.eval.tasks) if cfg.cd_sft.eval_condensed else []
     summary = condense_task(stage_config(cfg, out / "condense", **{
         "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks,

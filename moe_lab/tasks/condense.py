@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from ..compress.calibration import Calibration
@@ -16,7 +18,9 @@ from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
     EXPERT_BASELINES,
     LAYER_METHODS,
+    LAYER_METRICS,
     LayerSearch,
+    active_params,
     candidate_count,
     expert_baseline,
     greedy_expert_search,
@@ -60,7 +64,7 @@ def _expert_lists(model, calibration, batches, c) -> tuple[dict, dict]:
                                      hf_hidden_states=bool(c.hf_hidden_states))
         return dict(lists), lists.losses
     return expert_baseline(model, calibration, c.expert_selection, routed, seed=int(c.seed),
-                           fallback=c.fallback_gate), {}
+                           fallback=c.fallback_gate, xmin=str(c.alpha_hill_xmin)), {}
 
 
 def _layer_order(model, calibration, batches, experts, c) -> tuple[list[int], list[float]]:
@@ -102,6 +106,63 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def single_layer_losses(model, calibration, batches, experts, c) -> dict[str, dict[int, float]]:
+    """``{metric: {layer: final-output loss of condensing that layer alone}}`` for ``condense.layer_loss_metrics``
+    (the paper's Fig. 2: JS; Fig. 5: KL and PPL)."""
+    metrics = [str(m) for m in (c.layer_loss_metrics or [])]
+    bad = [m for m in metrics if m not in LAYER_METRICS]
+    if bad:
+        raise ValueError(f"condense.layer_loss_metrics={metrics}: {bad} unknown, choose from {', '.join(LAYER_METRICS)}")
+    return {m: LayerSearch(model, calibration, batches, experts, target=c.target, metric=m,
+                           fallback=c.fallback_gate).single_losses() for m in metrics}
+
+
+def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: str) -> list[Path]:
+    """``layer_losses.csv`` (one row per MoE layer, one column per metric) and ``layer_losses.png`` (one panel
+    per metric against the MoE-layer index, as the paper's Figs. 2 and 5), both atomic."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    from ..analysis.report import save_figure, write_csv
+
+    layers = sorted(next(iter(losses.values())))
+    rows = [{"decoder_layer": i, "moe_layer": n, **{m: v[i] for m, v in losses.items()}}
+            for n, i in enumerate(layers)]
+    tmp = out / ".layer_losses.csv.tmp"
+    write_csv(rows, tmp)
+    os.replace(tmp, out / "layer_losses.csv")
+    names = {"js": "JS divergence", "kl": "KL divergence", "ppl": "perplexity change"}
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(4.8 * len(losses), 3.4))
+    fig.subplots_adjust(wspace=0.45)
+    for k, (metric, values) in enumerate(losses.items()):
+        ax = fig.add_subplot(1, len(losses), k + 1)
+        ax.plot(range(len(layers)), [values[i] for i in layers], marker="o", ms=3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.set_xlabel("condensed MoE layer (alone)")
+        ax.set_ylabel(names[metric])
+        ax.set_title(f"{label}: {names[metric]}", fontsize=9)
+    return [out / "layer_losses.csv", save_figure(fig, out / "layer_losses.png")]
+
+
+@torch.no_grad()
+def forward_seconds(model, batches) -> float:
+    """Wall time of one forward pass over ``batches`` (after one warm-up batch), synchronising CUDA."""
+    from ..compress.condense_search import _run
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    _run(model, batches[0])
+    sync()
+    start = time.perf_counter()
+    for batch in batches:
+        _run(model, batch)
+    sync()
+    return time.perf_counter() - start
+
+
 def condense_task(cfg: DictConfig) -> dict:
     """Search, condense (or trim), export and evaluate ``cfg.model``; writes summary.json."""
     c = cfg.condense
@@ -114,23 +175,36 @@ def condense_task(cfg: DictConfig) -> dict:
     calibration = Calibration.load(c.calibration_file) if c.calibration_file else None
     batches, source = calibration_sequences(c.search.dataset, tokenizer, c.search)
     view = find_moe_layers(model)[0]
-    before = _count(model)
+    before, active_before = _count(model), active_params(model)
+    seconds_before = forward_seconds(model, batches) if c.measure_speed else None
     experts, expert_losses = ({}, {}) if c.method != "cd_moe" else _expert_lists(model, calibration, batches, c)
     searched = time.time()
     order, layer_losses = _layer_order(model, calibration, batches, experts, c)
+    layer_searched = time.time()
+    single = single_layer_losses(model, calibration, batches, experts, c) if c.method == "cd_moe" else {}
     if c.method == "cd_moe":
         condense(model, calibration, order, experts, fallback=c.fallback_gate)
     else:
         trim(model, order, "moe" if c.method == "layer_trim" else "block")
-    after = _count(model)
+    after, active_after = _count(model), active_params(model)
     summary = {"method": c.method, "routed_experts": int(c.routed_experts), "layers": order,
                "layer_losses": layer_losses, "experts": {str(k): v for k, v in experts.items()},
                "expert_losses": {str(k): v for k, v in expert_losses.items()},
+               "single_layer_losses": {m: {str(k): v for k, v in d.items()} for m, d in single.items()},
                "candidates_per_layer": candidate_count(view.num_experts, int(c.routed_experts)),
                "params_before": before, "params_after": after, "memory_ratio": after / before,
+               "active_params_before": active_before, "active_params_after": active_after,
                "search_data": source, "expert_search_s": round(searched - start, 2),
-               "layer_search_s": round(time.time() - searched, 2)}
-    print(f"==== moe-lab condense ({c.method}): layers {order}, memory ratio {100 * after / before:.2f}%", flush=True)
+               "layer_search_s": round(layer_searched - searched, 2)}
+    if seconds_before is not None:
+        seconds_after = forward_seconds(model, batches)
+        summary.update(forward_s_before=round(seconds_before, 4), forward_s_after=round(seconds_after, 4),
+                       speedup=seconds_before / seconds_after, speedup_device=str(next(model.parameters()).device))
+    if single:
+        summary["layer_loss_files"] = [str(p) for p in write_layer_losses(single, out, cfg.model.name)]
+    speed = f", speed-up {summary['speedup']:.2f}x" if "speedup" in summary else ""
+    print(f"==== moe-lab condense ({c.method}): layers {order}, memory ratio {100 * after / before:.2f}%, "
+          f"active params {active_after:,} of {active_before:,}{speed}", flush=True)
     if c.export and c.method == "cd_moe":
         summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
@@ -149,5 +223,7 @@ def condense_task(cfg: DictConfig) -> dict:
             "expert_selection": c.expert_selection, "layer_selection": c.layer_selection,
             "task_source": task_source(list(c.eval.tasks))})
     summary["wall_time_s"] = round(time.time() - start, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, out / "summary.json")
     return summary

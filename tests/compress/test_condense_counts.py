@@ -79,3 +79,17 @@ def test_deepseekmoe_16b_memory_ratios_by_surgery():
     # lightweight-SFT trainable fraction (spec 3.8): shared + 6 retained experts of 9 condensed layers
     retained = params(condensed(model, [1], 6).get_submodule("model.layers.1.mlp"))
     assert 9 * retained == 622_854_144
+
+
+def test_converted_deepseekmoe_16b_counts_and_ratios():
+    """conf/model/deepseek_moe_16b (the Qwen2-MoE form of moe_lab.convert): the spec-3.9 total plus one zero
+    shared-expert gate (2048) per MoE layer, and the same memory ratios by surgery on all 28 layers."""
+    model = build("deepseek_moe_16b")
+    total = params(model)
+    assert total == 16_375_728_128 + 27 * 2048
+    eight, nine = list(range(1, 9)), list(range(1, 10))
+    ratio = {"s": params(condensed(model, eight, 0)) / total, "sr": params(condensed(model, nine, 6)) / total,
+             "layer_trim": params(trim(copy.deepcopy(model), eight, "moe")) / total,
+             "block_trim": params(trim(copy.deepcopy(model), eight, "block")) / total}
+    assert {k: round(100 * v, 2) for k, v in ratio.items()} == {
+        "s": 72.95, "sr": 72.42, "layer_trim": 72.10, "block_trim": 71.28}

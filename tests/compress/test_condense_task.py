@@ -37,3 +37,15 @@ def test_condense_task_searches_condenses_and_exports(tmp_path):
     back = load_condensed(summary["export"])
     assert back.get_submodule(f"model.layers.{layer}.mlp").expert_ids.tolist() == summary["experts"][str(layer)]
     Calibration.load(cal["calibration"]).check_compatible(model)
+    # item 12: per-layer single-condensation losses (Figs. 2 / 5), active parameters, measured speed-up
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "cd" / "layer_losses.csv").read_text().splitlines()))
+    assert [int(r["decoder_layer"]) for r in rows] == [1, 2] and set(rows[0]) >= {"js", "kl", "ppl"}
+    js = {int(r["decoder_layer"]): float(r["js"]) for r in rows}
+    # the greedy's first step IS the best single-layer condensation (same losses, same data)
+    assert layer == min(js, key=lambda i: (js[i], i)) and abs(js[layer] - summary["layer_losses"][0]) < 1e-12
+    assert (tmp_path / "cd" / "layer_losses.png").stat().st_size > 1000
+    assert summary["active_params_before"] == total - 2 * (E - 2) * 3 * I * H  # 2 MoE layers, top-2 of 8
+    assert summary["active_params_after"] == summary["active_params_before"] - E * H  # router gone, 2 = k kept
+    assert summary["speedup"] > 0 and summary["speedup_device"] == "cpu"
