@@ -139,6 +139,7 @@ def select_topk(
     forced: torch.Tensor | None = None,
     top_k: int | None = None,
     bias_space: str = "logits",
+    append: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ``(weights [N, k], indices [N, k])`` from router logits, following ``rule``.
 
@@ -148,7 +149,9 @@ def select_topk(
     (sigmoid affinity, beside ``e_score_correction_bias``; identity: the logits themselves).
     ``"scores"``: on the scores (the probabilities of a softmax router).
     ``forced`` (expert ids) are put in every token's set; ``top_k`` overrides the set size (forced
-    included). Weights always come from the unbiased scores of the chosen set, renormalised over it.
+    included). ``append`` (expert ids) are appended after every token's top-k, which stays over all experts,
+    so an expert can appear twice (Expert Condenser's public code). Weights always come from the unbiased
+    scores of the chosen set, renormalised over it.
     """
     if rule.score == "sparsemixer":
         from transformers.models.phimoe.modeling_phimoe import PhimoeMultiplier, sparsemixer
@@ -192,7 +195,11 @@ def select_topk(
     if forced is not None and forced.numel():
         choice = choice.index_fill(1, forced.to(choice.device), float("inf"))
     top_choice, indices = torch.topk(choice, top_k or rule.top_k, dim=-1, sorted=rule.sorted_topk)
-    weights = top_choice if choice is scores else scores.gather(1, indices)
+    if append is not None and append.numel():
+        indices = torch.cat([indices, append.to(indices.device).expand(indices.shape[0], -1)], dim=1)
+        weights = scores.gather(1, indices)
+    else:
+        weights = top_choice if choice is scores else scores.gather(1, indices)
     if rule.softmax_over_topk:
         weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
     if rule.renormalize:
