@@ -315,6 +315,7 @@ def condenser_state(patch: MoEPatch) -> dict:
 def save_condenser_state(patch: MoEPatch, path: str | Path) -> Path:
     """Write :func:`condenser_state` as JSON (the ``bias_file`` format), atomically."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(condenser_state(patch), indent=1))
     tmp.replace(path)
