@@ -214,7 +214,7 @@ class BiasUpdater:
         if pending and self.selection == "in_run" and int(first.bias_updates) == self.selection_updates:
             chosen = choose_condensers(self.patch, self.select, self.sign_name)
             log.info("condenser: condensers chosen in the run after %d bias updates on %s tokens: %s",
-                     self.selection_updates, f"{selection_tokens(self.patch):,.0f}", _brief(chosen))
+                     self.selection_updates, f"{selection_tokens(self.patch):,.0f}", condenser_summary(chosen))
 
 
 def selection_tokens(patch: MoEPatch) -> float:
@@ -224,7 +224,8 @@ def selection_tokens(patch: MoEPatch) -> float:
     return float(layer.usage.sum()) / (layer.top_k if load == "count" else 1)
 
 
-def _brief(chosen: dict[int, list[int]], most: int = 4) -> str:
+def condenser_summary(chosen: dict[int, list[int]], most: int = 4) -> str:
+    """``layer i [ids]; ...`` for the first ``most`` layers (a log line)."""
     items = [f"layer {i} {ids}" for i, ids in list(chosen.items())[:most]]
     return "; ".join(items) + (f"; ... ({len(chosen)} layers)" if len(chosen) > most else "")
 

@@ -12,7 +12,13 @@ import torch
 
 from ..data.packing import model_inputs, real_token_mask
 from .base import MoELightningModule
-from .condenser import STATE_FILE, _brief, run_selection_phase, save_condenser_state, selection_tokens
+from .condenser import (
+    STATE_FILE,
+    condenser_summary,
+    run_selection_phase,
+    save_condenser_state,
+    selection_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +31,8 @@ class CondenserModule(MoELightningModule):
       ``selection=pre_phase`` (default) the forward-only pre-phase (:func:`run_selection_phase`) runs over the
       first training micro-batches through the strategy's wrapped model (DDP, DeepSpeed ZeRO-2/3 and FSDP
       alike; no gradients, so no optimizer, LR-schedule or global step is consumed; the global RNG and the
-      loader's position are restored). One line (rank zero) says when and how the condensers are chosen
-      and on how many tokens.
+      loader's position are restored). At train start one line (rank zero) says when and how the condensers
+      are chosen and on how many tokens.
     * ``update_every=micro_batch`` (the public code): one bias update after every training micro-batch.
     * At the end of training, rank zero writes ``<run dir>/condenser.json`` (biases, usage, condensers, routing
       options): the ``bias_file`` of a later run (``task=condenser_two_phase`` reads it); all ranks wait for it.
@@ -46,15 +52,16 @@ class CondenserModule(MoELightningModule):
             self._check_in_run_choice()
         if updater.pending and updater.selection == "pre_phase" and self.trainer.ckpt_path is None:
             self.selection_report = self._pre_phase()
-        if self.trainer.is_global_zero:
-            log.info(self.selection_line())
 
     def on_train_start(self):
+        """After a resume's checkpoint is restored (DeepSpeed restores after fit start): the start line."""
         updater = self.patch.bias_updater
         if updater.pending and updater.selection == "pre_phase":
             raise ValueError(f"condenser selection=pre_phase: resumed at optimizer step {self.trainer.global_step} "
                              "from a checkpoint without condensers; resume from a checkpoint of a method=condenser "
                              "run with selection=pre_phase, or start a new run")
+        if self.trainer.is_global_zero:
+            log.info(self.selection_line())
 
     def _updates_in_run(self) -> tuple[float, str]:
         """(bias updates this run makes, how that number follows from the trainer)."""
@@ -87,16 +94,15 @@ class CondenserModule(MoELightningModule):
             trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader
         if isinstance(loader, (list, tuple, dict)):
-            raise ValueError("condenser selection=pre_phase reads one training dataloader; this run has "
+            raise TypeError("condenser selection=pre_phase reads one training dataloader; this run has "
                              f"{len(loader)}: give one, or use selection=in_run / bias_file=")
         position = loader.state_dict() if hasattr(loader, "state_dict") else None
-        passes = {"started": 0}
         was_training = self.model.training
         self.model.train()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):  # dropout / jitter / shuffling draw nothing from training
-                report = run_selection_phase(self.patch, _cycle(loader, passes), self._selection_forward,
+                report = run_selection_phase(self.patch, _cycle(loader), self._selection_forward,
                                              trainer.accumulate_grad_batches)
         finally:
             self.model.train(was_training)
@@ -145,7 +151,7 @@ class CondenserModule(MoELightningModule):
                     f"optimizer or LR-schedule step): {report['updates']} bias updates, one per {per_update} "
                     f"micro-batch(es) per rank, over {report['micro_batches']:,} micro-batches on "
                     f"{trainer.world_size} rank(s) = {report['tokens']:,} tokens ({report['passes']:.2f} passes over "
-                    f"the training data); {rule}: {_brief(chosen)}; training then runs all its steps from step 0")
+                    f"the training data); {rule}: {condenser_summary(chosen)}; training then runs all its steps from step 0")
         if updater.pending:
             total, how = self._updates_in_run()
             return (f"condenser: condensers chosen during training after {updater.selection_updates} bias updates "
@@ -153,9 +159,10 @@ class CondenserModule(MoELightningModule):
                     f"without condensers until then ({rule})")
         source = self.hparams.get("options", {})
         origin = (f"bias_file={source['bias_file']}" if source.get("bias_file") else
-                  "experts=" if source.get("experts") else "the checkpoint")
+                  "experts=" if source.get("experts") else
+                  f"the checkpoint (resumed at optimizer step {trainer.global_step})")
         return (f"condenser: condensers fixed at once from {origin} (biases learned on "
-                f"{selection_tokens(self.patch):,.0f} tokens before the choice; {rule}): {_brief(chosen)}")
+                f"{selection_tokens(self.patch):,.0f} tokens before the choice; {rule}): {condenser_summary(chosen)}")
 
     # training ---------------------------------------------------------------------------------
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -176,10 +183,9 @@ def _sized(loader) -> bool:
     return True
 
 
-def _cycle(loader, passes: dict) -> Iterator:
-    """The loader's batches, starting it again when it runs out; ``passes["started"]`` counts iterations."""
+def _cycle(loader) -> Iterator:
+    """The loader's batches, starting it again when it runs out."""
     while True:
-        passes["started"] += 1
         empty = True
         for batch in loader:
             empty = False

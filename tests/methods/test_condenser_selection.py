@@ -238,7 +238,9 @@ class _Rows(torch.utils.data.Dataset):
         return 24
 
     def __getitem__(self, i):
-        return {k: v[0] for k, v in random_batch(batch=1, seq=8, seed=100 + i, pad_rows=()).items()}
+        row = {k: v[0] for k, v in random_batch(batch=1, seq=8, seed=100 + i, pad_rows=()).items()}
+        row["input_ids"][0] = row["labels"][0] = 300 + i  # the row's id, read back from the model's input
+        return row
 
 
 def _free_port() -> int:
@@ -247,36 +249,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _snapshot(module, seen) -> dict:
+def _snapshot(module, seen, rows) -> dict:
     return {"bias": seen.start["bias"], "usage": seen.start["usage"], "forced": seen.start["forced"],
-            "tokens": module.selection_report["tokens"], "micro_batches": module.selection_report["micro_batches"]}
+            "tokens": module.selection_report["tokens"], "micro_batches": module.selection_report["micro_batches"],
+            "rows": rows}
+
+
+def _condenser_reading_rows():
+    """A condenser module and the list of row ids (first token of each row) its model forwards, in order."""
+    module = CondenserModule(build_tiny("olmoe"), "condenser", options=DDP_OPTIONS, optim={"lr": 1e-3})
+    rows = []
+    module.model.register_forward_pre_hook(lambda m, a, kw: rows.append((kw["input_ids"][:, 0] - 300).tolist()),
+                                           with_kwargs=True)
+    return module, rows
 
 
 def _ddp_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
-    module = CondenserModule(build_tiny("olmoe"), "condenser", options=DDP_OPTIONS, optim={"lr": 1e-3})
+    module, rows = _condenser_reading_rows()
     seen = _AtTrainStart()
     _fit(module, os.path.join(out_dir, "run"), 1, DataLoader(_Rows(), batch_size=2, shuffle=False), accumulate=2,
          callbacks=[seen], devices=world, strategy="ddp")
-    torch.save(_snapshot(module, seen), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(_snapshot(module, seen, rows[:6]), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_ddp_pre_phase_biases_equal_across_ranks_and_one_process_on_the_global_batches(tmp_path):
-    """Two ranks, 2 rows per micro-batch each (DistributedSampler: rank r reads rows r, r+2, ...), 2 micro-batches
-    per update; one process with 4 rows per micro-batch reads the same rows per update. Loads are all-reduced, so
-    biases, usage, condensers and the token count are the same."""
+    """Two ranks, 2 rows per micro-batch each (Lightning's DistributedSampler), 2 micro-batches per update. One
+process reads the same 2-row micro-batches (rank 0's two of an update, then rank 1's two) with 4 per update: the
+same global data per update in the same shapes. Loads are all-reduced, so biases, usage, condensers and the
+token count are the same."""
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    module = CondenserModule(build_tiny("olmoe"), "condenser", options=DDP_OPTIONS, optim={"lr": 1e-3})
+    flat = [row for r in (r0, r1) for batch in r["rows"] for row in batch]
+    assert sorted(flat) == list(range(24)), "the ranks read disjoint shares"
+    order = [row for u in range(3) for r in (r0, r1) for batch in r["rows"][2 * u:2 * u + 2] for row in batch]
+    module, rows = _condenser_reading_rows()
     seen = _AtTrainStart()
-    _fit(module, tmp_path / "one", 1, DataLoader(_Rows(), batch_size=4, shuffle=False), accumulate=2,
+    _fit(module, tmp_path / "one", 1, DataLoader(_Rows(), batch_size=2, sampler=order), accumulate=4,
          callbacks=[seen])
-    one = _snapshot(module, seen)
-    assert one["micro_batches"] == 6 and r0["micro_batches"] == r1["micro_batches"] == 12
+    one = _snapshot(module, seen, rows[:12])
+    assert [row for batch in one["rows"] for row in batch] == order
+    assert one["micro_batches"] == 12 and r0["micro_batches"] == r1["micro_batches"] == 12
     assert r0["tokens"] == r1["tokens"] == one["tokens"] == 3 * 8 * 8
-    assert r0["forced"] == r1["forced"] == one["forced"] and all(one["forced"])
     for key in ("bias", "usage"):
         for a, b, c in zip(r0[key], r1[key], one[key]):
             assert torch.equal(a, b) and torch.equal(a, c), key
+    assert r0["forced"] == r1["forced"] == one["forced"] and all(one["forced"])
     assert any(b.abs().sum() > 0 for b in one["bias"])
