@@ -190,8 +190,8 @@ def select_topk(
         # a softmax is not elementwise: the paper's s + b is taken before it, on the raw logits
         before_softmax = bias_space == "logits" and rule.score == "softmax"
         choice = (logits if before_softmax else choice) + selection_bias
-    if rule.n_group:
-        choice, scores = _group_limit(rule, choice, scores, forced)
+    if rule.n_group:  # forced and appended experts keep their weights outside the kept groups
+        choice, scores = _group_limit(rule, choice, scores, forced if forced is not None else append)
     if forced is not None and forced.numel():
         choice = choice.index_fill(1, forced.to(choice.device), float("inf"))
     top_choice, indices = torch.topk(choice, top_k or rule.top_k, dim=-1, sorted=rule.sorted_topk)

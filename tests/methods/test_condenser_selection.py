@@ -59,7 +59,8 @@ def test_run_shorter_than_the_selection_chooses_condensers_and_trains_every_step
     same LR at every micro-batch and the same optimizer step count."""
     data = [random_batch(batch=2, seq=10, seed=s) for s in range(8)]
     optim, scheduler = {"lr": 1e-2}, {"name": "linear", "warmup_steps": 1}
-    module = CondenserModule(build_tiny("olmoe"), "condenser", options={"gamma": G, "n": 1, "selection_updates": 6},
+    model = build_tiny("olmoe").eval()  # as from_pretrained returns it: the fit must still train in train mode
+    module = CondenserModule(model, "condenser", options={"gamma": G, "n": 1, "selection_updates": 6},
                              optim=optim, scheduler=scheduler)
     before = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     seen = _AtTrainStart()
@@ -78,6 +79,10 @@ def test_run_shorter_than_the_selection_chooses_condensers_and_trains_every_step
     layers = module.patch.layers
     assert all(layer.forced_experts == f for layer, f in zip(layers, seen.start["forced"])), "chosen once"
     assert [int(layer.bias_updates) for layer in layers] == [9, 9], "6 pre-phase updates + 1 per optimizer step"
+    for layer, start in zip(layers, seen.start["bias"]):  # training's loads move the other biases
+        free = torch.ones_like(start, dtype=torch.bool)
+        free[layer.forced_experts] = False
+        assert not torch.equal(layer.bias[free], start[free]) and torch.equal(layer.bias[~free], start[~free])
     changed = [k for k, v in module.model.named_parameters() if not torch.equal(before[k], v)]
     assert len(changed) == len(before), "every weight trained"
     tokens = sum(int(b["attention_mask"].sum()) for b in data + data[:4])  # 12 micro-batches, cycling at 8
