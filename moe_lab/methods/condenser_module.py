@@ -97,6 +97,11 @@ class CondenserModule(MoELightningModule):
             raise TypeError("condenser selection=pre_phase reads one training dataloader; this run has "
                              f"{len(loader)}: give one, or use selection=in_run / bias_file=")
         position = loader.state_dict() if hasattr(loader, "state_dict") else None
+        if trainer.is_global_zero:
+            updater = self.patch.bias_updater
+            per_update = 1 if updater.update_every == "micro_batch" else trainer.accumulate_grad_batches
+            log.info("condenser: choosing the condensers before step 0: a forward-only pre-phase of %d bias updates "
+                     "x %d micro-batch(es) per rank", updater.selection_updates, per_update)
         was_training = self.model.training
         self.model.train()
         devices = [self.device] if self.device.type == "cuda" else []

@@ -86,7 +86,7 @@ def test_run_shorter_than_the_selection_chooses_condensers_and_trains_every_step
     changed = [k for k, v in module.model.named_parameters() if not torch.equal(before[k], v)]
     assert len(changed) == len(before), "every weight trained"
     tokens = sum(int(b["attention_mask"].sum()) for b in data + data[:4])  # 12 micro-batches, cycling at 8
-    line = [r.getMessage() for r in caplog.records if "forward-only pre-phase" in r.getMessage()]
+    line = [r.getMessage() for r in caplog.records if "chosen before step 0 by a forward-only" in r.getMessage()]
     assert len(line) == 1 and "6 bias updates, one per 2 micro-batch(es) per rank, over 12 micro-batches on 1 " \
         f"rank(s) = {tokens:,} tokens (1.50 passes over the training data)" in line[0]
     assert "training then runs all its steps from step 0" in line[0] and "layer 0 [" in line[0]
