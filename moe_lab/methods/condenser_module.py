@@ -156,7 +156,8 @@ class CondenserModule(MoELightningModule):
                     f"optimizer or LR-schedule step): {report['updates']} bias updates, one per {per_update} "
                     f"micro-batch(es) per rank, over {report['micro_batches']:,} micro-batches on "
                     f"{trainer.world_size} rank(s) = {report['tokens']:,} tokens ({report['passes']:.2f} passes over "
-                    f"the training data); {rule}: {condenser_summary(chosen)}; training then runs all its steps from step 0")
+                    f"the training data); {rule}: {condenser_summary(chosen)}; training then runs all its steps "
+                    "from step 0")
         if updater.pending:
             total, how = self._updates_in_run()
             return (f"condenser: condensers chosen during training after {updater.selection_updates} bias updates "
