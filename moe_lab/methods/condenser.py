@@ -158,7 +158,7 @@ class BiasUpdater:
     condensers after ``selection_updates`` updates."""
 
     def __init__(self, patch: MoEPatch, gamma: float, sign: str, center: bool, select, load: str = "count",
-                 selection: str = "pre_phase", selection_updates: int = 100, condenser_bias: str = "frozen",
+                 selection: str = "pre_phase", selection_updates: int = 20, condenser_bias: str = "frozen",
                  update_every: str = "optimizer_step"):
         self.patch, self.gamma, self.sign_name, self.sign = patch, gamma, sign, SIGNS[sign]
         self.center, self.select, self.load = center, select, load
@@ -368,7 +368,7 @@ def install_condenser(
     load: str = "count",
     n: int = 2,
     selection: str = "pre_phase",
-    selection_updates: int = 100,
+    selection_updates: int = 20,
     select: str = "lowest_bias",
     budget: str = "replace",
     condenser_bias: str = "frozen",
