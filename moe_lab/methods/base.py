@@ -174,6 +174,9 @@ class MoELightningModule(L.LightningModule):
                              optimizer_keeps_fp32=isinstance(trainer.strategy, DeepSpeedStrategy))
 
     def on_fit_start(self):
+        # from_pretrained returns the model in eval mode and Lightning (2.2+) keeps the modes it is given: train
+        # mode for routing statistics (condenser biases), jitter, dropout and HF's gradient checkpointing
+        self.train()
         datamodule = getattr(self.trainer, "datamodule", None)
         if getattr(datamodule, "packing", False):
             verify_packing(self.model)

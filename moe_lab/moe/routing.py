@@ -153,6 +153,7 @@ def select_topk(
     forced: torch.Tensor | None = None,
     top_k: int | None = None,
     bias_space: str = "logits",
+    append: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ``(weights [N, k], indices [N, k])`` from router logits, following ``rule``.
 
@@ -162,7 +163,9 @@ def select_topk(
     (sigmoid affinity, beside ``e_score_correction_bias``; identity: the logits themselves).
     ``"scores"``: on the scores (the probabilities of a softmax router).
     ``forced`` (expert ids) are put in every token's set; ``top_k`` overrides the set size (forced
-    included). Weights always come from the unbiased scores of the chosen set, renormalised over it.
+    included). ``append`` (expert ids) are appended after every token's top-k, which stays over all experts,
+    so an expert can appear twice (Expert Condenser's public code). Weights always come from the unbiased
+    scores of the chosen set, renormalised over it.
     """
     if rule.score == "sparsemixer":
         from transformers.models.phimoe.modeling_phimoe import PhimoeMultiplier, sparsemixer
@@ -201,12 +204,16 @@ def select_topk(
         # a softmax is not elementwise: the paper's s + b is taken before it, on the raw logits
         before_softmax = bias_space == "logits" and rule.score == "softmax"
         choice = (logits if before_softmax else choice) + selection_bias
-    if rule.n_group:
-        choice, scores = _group_limit(rule, choice, scores, forced)
+    if rule.n_group:  # forced and appended experts keep their weights outside the kept groups
+        choice, scores = _group_limit(rule, choice, scores, forced if forced is not None else append)
     if forced is not None and forced.numel():
         choice = choice.index_fill(1, forced.to(choice.device), float("inf"))
     top_choice, indices = torch.topk(choice, top_k or rule.top_k, dim=-1, sorted=rule.sorted_topk)
-    weights = top_choice if choice is scores else scores.gather(1, indices)
+    if append is not None and append.numel():
+        indices = torch.cat([indices, append.to(indices.device).expand(indices.shape[0], -1)], dim=1)
+        weights = scores.gather(1, indices)
+    else:
+        weights = top_choice if choice is scores else scores.gather(1, indices)
     if rule.softmax_over_topk:
         weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
     if rule.renormalize:

@@ -1,21 +1,24 @@
-"""task=condenser_two_phase: Expert Condenser's two-phase protocol (the public code's) as one command.
+"""task=condenser_two_phase: Expert Condenser's two-phase protocol (the authors' public code) as one command.
 
-``python run.py task=condenser_two_phase method=condenser [model=...] [dataset=...]`` runs the finetune task
-twice, with configs derived from ``cfg``:
+``python run.py task=condenser_two_phase method=condenser_public_code [model=...] [dataset=...]`` runs the
+finetune task twice, with configs derived from ``cfg`` (``method=condenser``: the paper's routing and update rule
+in the same two phases):
 
 * ``<run>/phase1``: biases only (``method.options.n=0``, no condensers) with ``task.phase1.gamma`` (public code
   1e-3) for ``task.phase1.max_steps`` (null: ``task.trainer.max_steps``) at ``task.phase1.lr`` (null:
-  ``task.optim.lr``; 0: the weights stay bit-identical, a bias-only phase). It writes
-  ``phase1/condenser.json``: the biases and the usage (loads) accumulated while they learned.
-* ``<run>/phase2``: from the ORIGINAL model weights (``task.phase2.init=original``; ``phase1`` starts from
-  phase 1's export instead), with ``bias_file=phase1/condenser.json``: the ``method.options.n`` condensers
-  are fixed at once by ``method.options.select`` from those biases (ties by usage), then training runs with
-  ``task.phase2.gamma`` (public code 5e-5) updating the other biases. ``phase2/export`` is the result.
+  ``task.optim.lr``, the rebuttal configs train the weights; 0: the weights stay bit-identical, a bias-only
+  phase). It writes ``phase1/condenser.json`` (the biases and the usage accumulated while they learned) and
+  ``phase1/export``.
+* ``<run>/phase2``: from phase 1's model (``task.phase2.init=phase1``, the rebuttal configs' "Starts from Phase-1
+  model"; ``original``: the base model's weights), with ``bias_file=phase1/condenser.json``: the
+  ``method.options.n`` condensers are fixed at once by ``method.options.select`` from those biases (ties by
+  usage), then training runs with ``task.phase2.gamma`` (public code 5e-5). ``phase2/export`` is the result.
 
-The public code's phase-2 initialisation is not recorded in specs/public_code.md; the original weights
-(the paper: condensers chosen "once at the start" of fine-tuning the base model) are the default.
-Resume: ``task.phase1.bias_file=<run>/phase1/condenser.json`` skips phase 1 and ``task.ckpt_path`` resumes
-phase 2. ``<run>/summary.json`` holds both phases' summaries.
+Both phases use ``task.trainer``, ``task.optim``, ``task.scheduler`` and ``task.batch_size`` (per device; the
+rebuttal configs: 1 epoch, lr 1e-5, batch 4, cosine to 0.1 x lr, warm-up 0.1).
+Resume: ``task.phase1.bias_file=<run>/phase1/condenser.json`` skips phase 1 (with ``init=phase1`` the model is
+the ``export`` beside it) and ``task.ckpt_path`` resumes phase 2. ``<run>/summary.json`` holds both phases'
+summaries.
 """
 
 from __future__ import annotations
@@ -62,7 +65,15 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError("task.ckpt_path resumes phase 2: also set task.phase1.bias_file=<run>/phase1/"
                          f"{STATE_FILE} so that phase 1 is not run again")
     if cfg.task.phase2.init == "phase1" and cfg.task.phase1.bias_file:
-        raise ValueError("task.phase2.init=phase1 needs phase 1's export: leave task.phase1.bias_file=null")
+        export = Path(cfg.task.phase1.bias_file).parent / "export"
+        if not (export / "config.json").is_file():
+            raise ValueError(f"task.phase2.init=phase1 starts from phase 1's export, and {export} (beside "
+                             f"task.phase1.bias_file) holds none: give the bias file of a phase-1 run that "
+                             "exported, or set task.phase2.init=original")
+    batch_size = cfg.task.get("batch_size")
+    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
+        raise ValueError(f"task.batch_size={batch_size!r}: give an integer >= 1 (per device), or null for "
+                         "dataset.batch_size")
 
 
 def _run_phase(phase: DictConfig) -> dict:
@@ -84,6 +95,10 @@ def _finish_wandb() -> None:
 def condenser_two_phase(cfg: DictConfig) -> dict:
     """Phase 1 (biases) then phase 2 (condensers fixed from phase 1's biases); see the module docstring."""
     _check(cfg)
+    if cfg.task.get("batch_size") is not None:
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.dataset.batch_size = int(cfg.task.batch_size)
     out = Path(cfg.paths.output_dir)
     p1, p2 = cfg.task.phase1, cfg.task.phase2
     summary: dict = {}
@@ -99,7 +114,7 @@ def condenser_two_phase(cfg: DictConfig) -> dict:
         summary["phase1"] = _run_phase(first)
         _finish_wandb()
         bias_file = out / "phase1" / STATE_FILE
-    model = {"pretrained": str(out / "phase1" / "export")} if p2.init == "phase1" else None
+    model = {"pretrained": str(Path(bias_file).parent / "export")} if p2.init == "phase1" else None
     second = phase_config(cfg, out / "phase2",
                           options={"gamma": p2.gamma, "bias_file": str(bias_file), "experts": None}, model=model)
     result = _run_phase(second)

@@ -22,7 +22,7 @@ from tests.conftest import build_tiny
 
 from .conftest import TinyModule, loader, metric_by_step, random_batches, read_csv_metrics
 
-CONDENSER = {"gamma": 1e-2, "n": 1, "warmup_steps": 3}
+CONDENSER = {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 3}
 
 
 def ref_stats(values: list[float]) -> dict[str, float]:
@@ -78,7 +78,7 @@ def fit(module, tmp_path, callbacks, max_steps, accumulate=1, ckpt_path=None, lo
 
 
 def test_metrics_match_the_bias_buffers():
-    patch = moe_lab.apply(build_tiny("olmoe"), "condenser", n=1, warmup_steps=3)
+    patch = moe_lab.apply(build_tiny("olmoe"), "condenser", n=1, selection="in_run", selection_updates=3)
     hand = {0: [0.5, -0.25, 0.125, 0.0, 1.0, -1.5, 0.3, 0.2], 1: [-0.01, 0.02, 0.0, 0.0, 0.07, -0.03, 0.04, 0.01]}
     for layer in patch.layers:
         layer.bias.copy_(torch.tensor(hand[layer.index]))
@@ -135,7 +135,7 @@ def test_trajectory_csv_holds_the_biases_at_the_recorded_steps(condenser_run):
     for row, step in enumerate(traj.steps):
         for layer in (0, 1):
             assert np.array_equal(traj.biases[layer][row], recorder.biases[step][layer].numpy()), (step, layer)
-    # the condensers appear at step 3 (warmup_steps) and are marked from then on
+    # the condensers appear at step 3 (selection_updates) and are marked from then on
     assert [recorder.forced[s] for s in (2, 3)] == [[[], []], [layer.forced_experts for layer in module.patch.layers]]
     chosen = {layer.index: layer.forced_experts for layer in module.patch.layers}
     assert traj.condensers == chosen and traj.chosen_at == {0: 3, 1: 3}

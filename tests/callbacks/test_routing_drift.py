@@ -240,7 +240,7 @@ def test_lr_zero_routing_is_exactly_unchanged_and_probes_count_nothing(tmp_path)
 
 def test_condenser_bias_moves_the_sets_not_the_distribution(tmp_path):
     # lr = 0: only the router bias (selection only) and the forced condenser expert change routing
-    module = _module("condenser", lr=0.0, gamma=0.5, n=1, warmup_steps=2)
+    module = _module("condenser", lr=0.0, gamma=0.5, n=1, selection="in_run", selection_updates=2)
     drift = RoutingDriftCallback(every_n_steps=0)  # only at the end
     _fit(module, tmp_path, [drift], max_steps=3)
     got = drift.latest
@@ -300,7 +300,7 @@ def test_bad_arguments_name_the_field():
 
 
 # 2-process DDP ------------------------------------------------------------------------------------------
-DDP_OPTIONS = {"gamma": 0.5, "n": 1, "warmup_steps": 2}
+DDP_OPTIONS = {"gamma": 0.5, "n": 1, "selection": "in_run", "selection_updates": 2}
 
 
 class LazyCondenser(L.LightningModule):

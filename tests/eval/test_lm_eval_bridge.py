@@ -85,7 +85,7 @@ def _train(model, patch, steps=3, lr=0.05):
 
 
 TRAINED = {  # method -> (options, what must have moved away from its initial value)
-    "condenser": ({"gamma": 0.05, "n": 1, "warmup_steps": 1},
+    "condenser": ({"gamma": 0.05, "n": 1, "selection": "in_run", "selection_updates": 1},
                   lambda patch: all(layer.forced_experts and bool(layer.bias.abs().max() > 0) for layer in patch.layers)),
     "compressed_experts": ({}, lambda patch: any(bool((p != 1).any()) for layer in patch.layers
                                                 for p in layer.compressed_experts.parameters())),

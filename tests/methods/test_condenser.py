@@ -113,8 +113,8 @@ def test_condenser_weight_is_its_router_weight_renormalised_over_the_set():
     torch.testing.assert_close(weights, expected.to(weights.dtype))
 
 
-def test_warmup_then_choose_lowest_bias_and_freeze_their_bias():
-    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, warmup_steps=3)
+def test_in_run_choice_takes_lowest_bias_and_freezes_their_bias():
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, selection="in_run", selection_updates=3)
     batch = random_batch(batch=4, seq=12)
     for _ in range(3):
         assert block.forced_experts == []
@@ -131,7 +131,7 @@ def test_warmup_then_choose_lowest_bias_and_freeze_their_bias():
 
 @pytest.mark.parametrize("rule", ["most_used", "least_used", "highest_bias"])
 def test_other_selection_rules(rule):
-    model, patch, block, _ = _first_block(gamma=GAMMA, n=1, warmup_steps=2, select=rule)
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=1, selection="in_run", selection_updates=2, select=rule)
     total = torch.zeros(block.num_experts, dtype=torch.long)
     for seed in range(2):
         model(**random_batch(batch=4, seq=12, seed=seed))
@@ -146,7 +146,7 @@ def test_other_selection_rules(rule):
 
 
 def test_state_file_round_trip_and_export(tmp_path):
-    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, warmup_steps=2)
+    model, patch, block, _ = _first_block(gamma=GAMMA, n=2, selection="in_run", selection_updates=2)
     for seed in range(2):
         model(**random_batch(seed=seed))
         patch.update_biases()
@@ -165,8 +165,8 @@ def test_bad_options_name_the_field(tmp_path):
         moe_lab.apply(build_tiny("olmoe"), "condenser", sign="up")
     with pytest.raises(ValueError, match="budget"):
         moe_lab.apply(build_tiny("olmoe"), "condenser", n=3)  # top_k=2
-    with pytest.raises(ValueError, match="warmup_steps=0"):
-        moe_lab.apply(build_tiny("olmoe"), "condenser", warmup_steps=0)
+    with pytest.raises(ValueError, match="selection_updates=0 would choose the condensers from all-zero biases"):
+        moe_lab.apply(build_tiny("olmoe"), "condenser", selection_updates=0)
     with pytest.raises(ValueError, match="sparsemixer"):
         moe_lab.apply(build_tiny("phimoe"), "condenser")
     other = build_tiny("qwen3_moe")
@@ -174,12 +174,16 @@ def test_bad_options_name_the_field(tmp_path):
     path = save_condenser_state(p, tmp_path / "q.json")
     with pytest.raises(ValueError, match=r"q\.json.*holds biases of a qwen3_moe model.*this deepseek_v3 model"):
         moe_lab.apply(build_tiny("deepseek_v3"), "condenser", bias_file=str(path))
-    with pytest.raises(ValueError, match="load='hard'.*count, soft"):
+    with pytest.raises(ValueError, match="load='hard'.*count, soft, soft_all_tokens"):
         moe_lab.apply(build_tiny("olmoe"), "condenser", load="hard")
     with pytest.raises(ValueError, match="select='lowest'.*lowest_bias"):
         moe_lab.apply(build_tiny("olmoe"), "condenser", select="lowest")
-    with pytest.raises(TypeError, match="warmup_trains_weights"):
-        moe_lab.apply(build_tiny("olmoe"), "condenser", warmup_trains_weights="no")
+    for old in ("warmup_steps", "warmup_trains_weights"):  # the in-run frozen warm-up is gone
+        with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{old}'\].*'selection', 'selection_updates'"):
+            moe_lab.apply(build_tiny("olmoe"), "condenser", **{old: 1})
+    for field, bad in (("selection", "warmup"), ("condenser_bias", "fixed"), ("update_every", "step")):
+        with pytest.raises(ValueError, match=f"condenser {field}='{bad}': choose one of"):
+            moe_lab.apply(build_tiny("olmoe"), "condenser", **{field: bad})
 
 
 @pytest.mark.parametrize("overrides,holds,has", [
@@ -203,7 +207,7 @@ def _ddp_worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for load in ("count", "soft"):
         model = build_tiny("olmoe").train()
-        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2, load=load)
+        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, selection="in_run", selection_updates=2, load=load)
         for seed in range(3):
             batch = random_batch(batch=4, seq=12, seed=seed)
             model(**{k: v[rank::world] for k, v in batch.items()})
@@ -223,7 +227,7 @@ def test_ddp_biases_identical_and_equal_to_one_process_on_the_global_batch(tmp_p
         assert torch.equal(r0["bias"], r1["bias"]) and r0["forced"] == r1["forced"]
         assert torch.equal(r0["usage"], r1["usage"])
         model = build_tiny("olmoe").train()
-        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, warmup_steps=2, load=load)
+        patch = moe_lab.apply(model, "condenser", gamma=GAMMA, n=1, selection="in_run", selection_updates=2, load=load)
         for seed in range(3):
             model(**random_batch(batch=4, seq=12, seed=seed))
             patch.update_biases()
@@ -242,7 +246,7 @@ def _module():
     from moe_lab.methods.base import MoELightningModule
 
     return MoELightningModule(build_tiny("olmoe"), method="condenser",
-                              options={"gamma": GAMMA, "n": 1, "warmup_steps": 2}, optim={"lr": 1e-3})
+                              options={"gamma": GAMMA, "n": 1, "selection": "in_run", "selection_updates": 2}, optim={"lr": 1e-3})
 
 
 def _fit(module, max_steps, tmp_path, ckpt_path=None, accumulate=1, callbacks=()):
@@ -290,19 +294,19 @@ def test_resume_restores_biases_condensers_and_step(tmp_path):
 
 @pytest.mark.parametrize("budget,bias_mode,load", [("replace", "logit_selection", "count"),
                                                      ("append", "probability_selection", "soft"),
-                                                     ("replace", "inside_softmax", "count")])
+                                                     ("replace", "inside_softmax", "count"),
+                                                     ("append_all", "inside_softmax", "soft_all_tokens")])
 def test_export_reloads_with_condenser_routing_for_evaluation(tmp_path, budget, bias_mode, load):
     import transformers
 
     from moe_lab.methods.registry import install_exported_routing
 
     model = build_tiny("qwen3_moe").train()
-    options = {"gamma": 0.05, "n": 1, "warmup_steps": 2, "budget": budget, "bias_mode": bias_mode, "load": load}
+    options = {"gamma": 0.05, "n": 1, "selection": "in_run", "selection_updates": 2, "budget": budget, "bias_mode": bias_mode, "load": load}
     patch = moe_lab.apply(model, "condenser", **options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for seed in range(4):  # 2 bias-only warm-up steps, then 2 steps that train the weights too
+    for seed in range(4):  # 2 steps without condensers, then 2 with
         model(**random_batch(seed=seed)).loss.backward()
-        patch.bias_updater.before_optimizer_step(optimizer)
         optimizer.step()
         optimizer.zero_grad()
         patch.update_biases()

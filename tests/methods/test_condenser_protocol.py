@@ -1,60 +1,24 @@
-"""Expert Condenser protocol: bias-only warm-up, usage tie-breaking, soft usage, n=0, the bias file."""
+"""Expert Condenser protocol: usage tie-breaking, soft usage, n=0, the bias file, option names."""
 
 from __future__ import annotations
 
 import copy
 import json
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 import moe_lab
-from moe_lab.methods.condenser import STATE_FILE, choose_condensers, save_condenser_state
+from moe_lab.methods.condenser import choose_condensers, save_condenser_state
 from moe_lab.methods.condenser_module import CondenserModule
 from tests.conftest import build_tiny, random_batch
 
 G = 1e-3
 
 
-def _fit(module, steps, tmp_path):
-    batches = [random_batch(batch=2, seq=10, seed=s) for s in range(4)]
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
-                        gradient_clip_val=1.0)
-    trainer.fit(module, DataLoader(batches * 4, batch_size=None))
-    return trainer
-
-
-def _weights(module):
-    return {k: v.detach().clone() for k, v in module.model.named_parameters()}
-
-
-@pytest.mark.parametrize("trains", [False, True])
-def test_warmup_freezes_weights_bit_identical_unless_told_to_train_them(tmp_path, trains):
-    options = {"gamma": 0.05, "n": 1, "warmup_steps": 3, "warmup_trains_weights": trains}
-    module = CondenserModule(build_tiny("olmoe"), method="condenser", options=options,
-                             optim={"lr": 1e-2, "weight_decay": 0.1})
-    before = _weights(module)
-    trainer = _fit(module, 3, tmp_path)
-    after = _weights(module)
-    layer = module.patch.layers[0]
-    assert layer.forced_experts and int(layer.bias_updates) == 3 and layer.bias.abs().sum() > 0
-    same = [k for k in before if torch.equal(before[k], after[k])]
-    if trains:
-        assert len(same) < len(before) // 2, "warmup_trains_weights=true trains the weights during the warm-up"
-        return
-    assert same == list(before), "bias-only warm-up: every weight bit-identical (decay included)"
-    assert not trainer.optimizers[0].state, "the optimizer never stepped a parameter"
-    assert (tmp_path / STATE_FILE).is_file(), "the run writes its bias file"
-    trainer = _fit(module, 5, tmp_path)  # after the warm-up the weights train
-    assert any(not torch.equal(before[k], v) for k, v in _weights(module).items())
-
-
 def _layer_with(bias, usage, n, sign="sparsify", select="lowest_bias"):
-    patch = moe_lab.apply(build_tiny("olmoe"), "condenser", n=n, sign=sign, select=select, warmup_steps=1)
+    patch = moe_lab.apply(build_tiny("olmoe"), "condenser", n=n, sign=sign, select=select, selection="in_run", selection_updates=1)
     for layer in patch.layers:
         layer.bias.copy_(torch.tensor(bias) * G)
         layer.usage.copy_(torch.tensor(usage, dtype=torch.float64))
@@ -93,7 +57,7 @@ def test_bias_file_condensers_use_its_usage_for_ties(tmp_path):
     assert saved["usage"] == [float(u) for u in USAGE] and saved["forced_experts"] == []
     patch = moe_lab.apply(build_tiny("olmoe"), "condenser", n=2, bias_file=str(path))
     assert [layer.forced_experts for layer in patch.layers] == [[2, 4], [2, 4]]
-    assert not patch.bias_updater.freezes_weights, "condensers from a bias file: no warm-up"
+    assert not patch.bias_updater.pending, "condensers from a bias file: chosen at once"
 
 
 def _recorded_inputs(patch):
@@ -134,12 +98,12 @@ def test_soft_usage_is_the_probability_mass_of_real_tokens(family):
 
 def test_n_zero_is_bias_only_never_condensers():
     model = build_tiny("olmoe").train()
-    patch = moe_lab.apply(model, "condenser", n=0, gamma=G, warmup_steps=1)
+    patch = moe_lab.apply(model, "condenser", n=0, gamma=G)
     for seed in range(3):
         model(**random_batch(seed=seed))
         patch.update_biases()
     assert all(layer.forced_experts == [] for layer in patch.layers)
-    assert patch.layers[0].bias.abs().sum() > 0 and not patch.bias_updater.freezes_weights
+    assert patch.layers[0].bias.abs().sum() > 0 and not patch.bias_updater.pending
 
 
 def test_condenser_module_refuses_other_methods():
@@ -164,17 +128,6 @@ def test_ablation_presets_compose_with_the_option_names():
             assert (updater.gamma, updater.select, updater.load) == (options["gamma"], options["select"],
                                                                      options["load"])
             assert patch.layers[0].forced_expert_ids.numel() == options["n"]
-
-
-def test_frozen_warmup_is_refused_under_deepspeed():
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    module = CondenserModule(build_tiny("olmoe"), method="condenser", options={"n": 1, "warmup_steps": 2})
-    trainer = L.Trainer(logger=False, accelerator="cpu")
-    trainer._accelerator_connector.strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
-    module.trainer = trainer
-    with pytest.raises(ValueError, match="warmup_trains_weights=false"):
-        module.on_fit_start()
 
 
 def test_soft_usage_counted_once_under_activation_checkpointing():

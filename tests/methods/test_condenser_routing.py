@@ -21,7 +21,8 @@ CASES = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_grouped"
          "mixtral"]
 MODES = [("logit_selection", 0, "replace"), ("logit_selection", 1, "replace"), ("logit_selection", 1, "append"),
          ("probability_selection", 0, "replace"), ("probability_selection", 1, "append"),
-         ("inside_softmax", 0, "replace"), ("inside_softmax", 1, "replace")]
+         ("inside_softmax", 0, "replace"), ("inside_softmax", 1, "replace"),
+         ("inside_softmax", 1, "append_all"), ("logit_selection", 1, "append_all")]
 FORCED = 3
 
 
@@ -31,8 +32,9 @@ def _model(case: str):
     return case, build_tiny(case).eval()
 
 
-def hand_route(family, config, router, x, b, mode, forced=(), top_k=None):
-    """(indices, weights) by hand from the HF config: the family's routing with the bias placed by ``mode``."""
+def hand_route(family, config, router, x, b, mode, forced=(), top_k=None, appended=()):
+    """(indices, weights) by hand from the HF config: the family's routing with the bias placed by ``mode``;
+    ``appended`` experts join every token's top-k afterwards (the public code's budget: possibly twice)."""
     k = top_k or config.num_experts_per_tok
     deepseek = family.startswith("deepseek")
     if deepseek:  # DeepSeek routers compute their logits in fp32
@@ -64,6 +66,8 @@ def hand_route(family, config, router, x, b, mode, forced=(), top_k=None):
     key = key.clone()
     key[:, list(forced)] = float("inf")
     indices = key.topk(k, dim=-1).indices
+    if appended:
+        indices = torch.cat([indices, torch.tensor(appended).expand(indices.shape[0], -1)], dim=1)
     if family == "gpt_oss":
         weights = torch.softmax(logits.gather(1, indices), dim=1)
     else:
@@ -107,19 +111,23 @@ def test_installed_routing_equals_the_hand_computation(case, mode, n, budget):
     with torch.no_grad():
         model(**random_batch())
     assert len(records) == len(layers)
-    changed = 0
+    changed, twice = 0, 0
     for (router, x, weights, indices), layer in zip(records, patch.layers):
         k = model.config.num_experts_per_tok + (n if budget == "append" else 0)
-        forced = [FORCED] if n else []
+        forced = [FORCED] if n and budget != "append_all" else []
+        appended = [FORCED] if budget == "append_all" else []
         want_i, want_w = _by_index(*hand_route(family, model.config, router, x, biases[layer.index], mode,
-                                               forced, k))
+                                               forced, k, appended))
+        twice += int(((indices == FORCED).sum(-1) == 2).sum())
         got_i, got_w = _by_index(indices, weights)
         assert torch.equal(got_i, want_i), f"{case} layer {layer.index}: selection differs"
         torch.testing.assert_close(got_w, want_w.to(got_w.dtype), rtol=0, atol=0)
         plain_i, _ = _by_index(*hand_route(family, model.config, router, x, torch.zeros_like(biases[layer.index]),
-                                           mode, forced, k))
+                                           mode, forced, k, appended))
         changed += int((plain_i != want_i).any(-1).sum())
     assert changed > 0, "the planted bias must change some selections (else this test could not fail)"
+    if budget == "append_all":
+        assert twice > 0, "some token has the condenser in its top-k as well: it counts twice"
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral", "deepseek_v2"])

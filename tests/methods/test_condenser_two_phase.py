@@ -1,5 +1,5 @@
-"""task=condenser_two_phase: phase 1 learns biases, phase 2 starts from the original weights with
-condensers fixed from phase 1's bias file and its own gamma."""
+"""task=condenser_two_phase: phase 1 learns biases, phase 2 starts from phase 1's model (the authors' rebuttal
+configs; or the original weights) with condensers fixed from phase 1's bias file and its own gamma."""
 
 from __future__ import annotations
 
@@ -34,13 +34,34 @@ def test_bad_configs_are_refused_naming_the_field(tmp_path):
         run_task(_cfg(tmp_path, "task.phase2.init=last"))
     with pytest.raises(ValueError, match="task.phase1.bias_file"):
         run_task(_cfg(tmp_path, "task.ckpt_path=x.ckpt"))
+    missing = tmp_path / "nowhere" / "condenser.json"
+    with pytest.raises(ValueError, match=rf"task.phase2.init=phase1 starts from phase 1's export, and "
+                                         rf"{tmp_path / 'nowhere' / 'export'} .* holds none"):
+        run_task(_cfg(tmp_path, f"task.phase1.bias_file={missing}"))
+    with pytest.raises(ValueError, match=r"task.batch_size=0: give an integer >= 1"):
+        run_task(_cfg(tmp_path, "task.batch_size=0"))
+
+
+def test_defaults_are_the_rebuttal_configs(tmp_path):
+    """experiments_rebuttal/rebuttal_general_to_math/configs/phase{1,2}_ec_alpaca.yaml: 1 epoch per phase, lr 1e-5,
+    per-device batch 4, no accumulation, cosine_with_min_lr (min_lr_rate 0.1), warm-up ratio 0.1, gamma 1e-3 then
+    5e-5, phase 2 from phase 1's model."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["task=condenser_two_phase", "method=condenser_public_code"])
+    task = cfg.task
+    assert (task.trainer.max_epochs, task.trainer.max_steps, task.trainer.accumulate_grad_batches) == (1, -1, 1)
+    assert (task.optim.lr, task.batch_size, task.scheduler.name, task.scheduler.min_lr_ratio,
+            task.scheduler.warmup_ratio) == (1e-5, 4, "cosine", 0.1, 0.1)
+    assert (task.phase1.gamma, task.phase2.gamma, task.phase2.init, task.phase1.lr) == (1e-3, 5e-5, "phase1", None)
 
 
 @pytest.mark.slow
-def test_two_phases_bias_file_condensers_and_original_weights(tmp_path):
+@pytest.mark.parametrize("init", ["phase1", "original"])
+def test_two_phases_bias_file_condensers_and_starting_weights(tmp_path, init):
     out = tmp_path / "run"
-    # phase 1 trains the weights (lr 1e-2); phase 2 runs at lr 0, so its export must be the ORIGINAL weights
-    cfg = _cfg(out, "task.phase1.lr=0.01", "task.optim.lr=0.0", "task.phase1.export=true")
+    # phase 1 trains the weights (lr 1e-2); phase 2 runs at lr 0, so its export must be its STARTING weights:
+    # phase 1's export (init=phase1, the rebuttal configs) or the original model (init=original)
+    cfg = _cfg(out, "task.phase1.lr=0.01", "task.optim.lr=0.0", f"task.phase2.init={init}")
     summary = run_task(cfg)
     p1 = json.loads((out / "phase1" / "condenser.json").read_text())["layers"]
     p2 = json.loads((out / "phase2" / "condenser.json").read_text())["layers"]
@@ -67,14 +88,18 @@ def test_two_phases_bias_file_condensers_and_original_weights(tmp_path):
 
     final = transformers.AutoModelForCausalLM.from_pretrained(out / "phase2" / "export").state_dict()
     first = transformers.AutoModelForCausalLM.from_pretrained(out / "phase1" / "export").state_dict()
-    for key, value in original.state_dict().items():
-        assert torch.equal(final[key], value), f"phase 2 starts from the original weights: {key}"
+    start = first if init == "phase1" else original.state_dict()
+    for key, value in start.items():
+        assert torch.equal(final[key], value), f"phase 2 starts from the {init} weights: {key}"
     assert any(not torch.equal(first[k], v) for k, v in original.state_dict().items()), "phase 1 trained"
     assert json.loads((out / "summary.json").read_text())["phase1"]["global_step"] == 4
     for phase, steps in (("phase1", 4), ("phase2", 3)):  # task=evaluate labels exports from these
         saved = OmegaConf.load(out / phase / "config.yaml")
         assert saved.method.name == "condenser" and saved.task.trainer.max_steps == steps
-    # phase 1's bias file given: phase 1 is skipped and phase 2 repeats exactly (same start, seed and data)
+        assert saved.dataset.batch_size == 4, "task.batch_size is both phases' per-device batch"
+    if init == "original":
+        return
+    # phase 1's bias file given: phase 1 is skipped, phase 2 starts from the export beside it and repeats exactly
     again = tmp_path / "again"
     run_task(_cfg(again, "task.optim.lr=0.0", f"task.phase1.bias_file={out / 'phase1' / 'condenser.json'}"))
     assert not (again / "phase1").exists()

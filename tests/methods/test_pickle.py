@@ -18,7 +18,7 @@ def _layers(model):
 
 CASES = [
     ("olmoe", "sft", {}),
-    ("qwen3_moe", "condenser", {"n": 1, "warmup_steps": 1, "gamma": 0.1}),
+    ("qwen3_moe", "condenser", {"n": 1, "selection": "in_run", "selection_updates": 1, "gamma": 0.1}),
     ("gpt_oss", "densemixer", {}),
     ("qwen2_moe", "compressed_experts", {}),
     ("deepseek_v3", "esft", "experts"),
@@ -67,7 +67,7 @@ def test_ddp_spawn_trains_condenser_on_two_cpu_processes():
     from moe_lab.methods.base import MoELightningModule
 
     module = MoELightningModule(build_tiny("olmoe"), method="condenser",
-                                options={"n": 1, "warmup_steps": 2, "gamma": 1e-2})
+                                options={"n": 1, "selection": "in_run", "selection_updates": 2, "gamma": 1e-2})
     batches = [random_batch(batch=2, seq=8, seed=s) for s in range(8)]
     trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

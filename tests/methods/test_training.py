@@ -21,7 +21,7 @@ NOT_APPLICABLE = {
 def _options(method: str, model) -> dict:
     layers = [layer.index for layer in moe_lab.apply(model, "sft").layers]
     if method == "condenser":
-        return {"gamma": 1e-2, "n": 1, "warmup_steps": 5}
+        return {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 5}
     if method == "esft":
         return {"experts": {i: [0, 1, 2] for i in layers}}
     return {}
