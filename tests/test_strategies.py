@@ -192,6 +192,33 @@ def test_forward_only_passes_go_through_the_fsdp_root():
     assert model_forward(None, pl_module) is pl_module.model
 
 
+def test_fsdp_clips_by_the_global_norm_through_the_root():
+    """Lightning's FSDPPrecision refuses gradient_clip_algorithm='norm' (the H200 run's failure): the module clips
+    through the FSDP root's clip_grad_norm_; other strategies keep Lightning's clipping."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from moe_lab.methods.base import MoELightningModule
+
+    module = MoELightningModule.__new__(MoELightningModule)
+    fsdp = FSDPStrategy()
+    fsdp.model = SimpleNamespace(clip_grad_norm_=mock.Mock())
+    with mock.patch.object(MoELightningModule, "trainer", SimpleNamespace(strategy=fsdp)), \
+            mock.patch.object(L.LightningModule, "configure_gradient_clipping") as lightning_clip:
+        module.configure_gradient_clipping(None, 1.0, "norm")
+        fsdp.model.clip_grad_norm_.assert_called_once_with(1.0)
+        lightning_clip.assert_not_called()
+        with pytest.raises(ValueError, match="gradient_clip_algorithm=value under FSDP"):
+            module.configure_gradient_clipping(None, 1.0, "value")
+    single = SimpleNamespace(strategy=SimpleNamespace())
+    with mock.patch.object(MoELightningModule, "trainer", single), \
+            mock.patch.object(L.LightningModule, "configure_gradient_clipping") as lightning_clip:
+        module.configure_gradient_clipping("opt", 1.0, "norm")
+        lightning_clip.assert_called_once_with("opt", 1.0, "norm")
+
+
 def test_keep_fp32_buffers_restores_exact_values():
     """DeepSpeed's bf16 engine calls module.bfloat16(); the condenser's fp32 selection biases come back exactly."""
     module = MoELightningModule(build_tiny("olmoe"), "condenser", options={"n": 0})

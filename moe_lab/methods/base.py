@@ -14,7 +14,7 @@ from torchmetrics.aggregation import MeanMetric
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
-from ..strategies import optimizer_stepped
+from ..strategies import optimizer_stepped, strategy_kind
 from .precision import apply_master_weights, check_mode
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
@@ -225,6 +225,17 @@ class MoELightningModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         return self._step(batch, "val")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Under FSDP the gradients are sharded and Lightning's precision plugin refuses to clip by norm: the
+        FSDP root's ``clip_grad_norm_`` clips by the norm over all shards (the same global norm)."""
+        if gradient_clip_val and strategy_kind(self.trainer.strategy) == "fsdp":
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError(f"task.trainer.gradient_clip_algorithm={gradient_clip_algorithm} under FSDP: only "
+                                 "'norm' is supported (FSDP clip_grad_norm_); set it to norm or drop the clipping")
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, *args, **kwargs):
         """One optimizer step, then the method's per-step hooks (e.g. router-bias updates)."""
