@@ -256,7 +256,9 @@ def gather_full_weights(trainer, module) -> None:
     elif kind == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        with FSDP.summon_full_params(trainer.strategy.model, writeback=False, rank0_only=True, offload_to_cpu=True):
+        # one rank: FSDP runs NO_SHARD, where summon_full_params refuses offload_to_cpu (the params are full anyway)
+        offload = trainer.world_size > 1
+        with FSDP.summon_full_params(trainer.strategy.model, writeback=False, rank0_only=True, offload_to_cpu=offload):
             full = [p.data.detach().cpu().clone() for p in params] if trainer.is_global_zero else None
     else:
         return
