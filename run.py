@@ -103,6 +103,13 @@ def expand_argv(argv: list[str]) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
+    summary = execute(cfg)
+    return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
+
+
+def execute(cfg: DictConfig) -> dict:
+    """Run (or with ``plan=true`` only plan) the composed config; returns the task's summary. ``main`` is this
+    behind Hydra's command line; tests call it in-process on a config composed with ``paths.output_dir`` set."""
     from moe_lab.tasks import run_task
     from moe_lab.tasks.finetune import RunInterrupted
     from moe_lab.tasks.preflight import preflight
@@ -131,7 +138,7 @@ def main(cfg: DictConfig):
         if wandb.run is not None:
             wandb.finish()
     print(f"Output directory: {out}")
-    return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
+    return summary
 
 
 if __name__ == "__main__":
