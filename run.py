@@ -1,6 +1,7 @@
 """moe-lab entry point: ``python run.py [task=...] [model=...] [method=...] [dataset=...] [-m ...]``.
 
-``python run.py task.resume=<run dir>`` continues that run in its directory with its own overrides (any
+``python run.py <overrides> plan=true`` prints what the run would do (data, steps, schedule, phases, memory, eval
+sets) without loading weights or training. ``python run.py task.resume=<run dir>`` continues that run in its directory with its own overrides (any
 override given after it wins, e.g. ``task.trainer.max_steps=2000`` to train longer).
 """
 
@@ -126,6 +127,11 @@ def execute(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if cfg.get("plan"):
+        from moe_lab.tasks.plan import plan
+
+        preflight(cfg, plan=True)
+        return plan(cfg)
     preflight(cfg)
     try:
         summary = run_task(cfg)
