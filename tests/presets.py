@@ -92,8 +92,10 @@ def data_file(node, tmp: Path, n: int) -> Path:
     raise AssertionError(f"no local data writer for dataset {target} (source={source})")
 
 
-def data_overrides(cfg, tmp: Path, n: int = 8, max_length: int = 256, block_size: int = 32) -> list[str]:
-    """Overrides pointing every dataset node of ``cfg`` at a local file of ``n`` rows (text: ``n`` blocks)."""
+def data_overrides(cfg, tmp: Path, n: int = 8, max_length: int = 256, block_size: int = 32,
+                   resize: bool = True) -> list[str]:
+    """Overrides pointing every dataset node of ``cfg`` at a local file of ``n`` rows; ``resize``: also cut the
+    data to ``n`` rows of ``max_length`` tokens (text: ``n`` blocks of ``block_size``, read whole)."""
     tmp.mkdir(parents=True, exist_ok=True)
     out = []
     for prefix in DATA_NODES:
@@ -106,6 +108,8 @@ def data_overrides(cfg, tmp: Path, n: int = 8, max_length: int = 256, block_size
         out.append(f"{prefix}.path={path}")
         if "name" in node:
             out.append(f"{prefix}.name=null")
+        if not resize:
+            continue
         if str(node._target_).endswith("TextBlockDataModule"):
             out += [f"{prefix}.streaming=false", f"{prefix}.block_size={block_size}", f"{prefix}.num_blocks={n}",
                     f"{prefix}.val_split=null", f"{prefix}.batch_size=2"]

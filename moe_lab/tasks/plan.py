@@ -161,6 +161,26 @@ def eval_plan(cfg: DictConfig) -> list[tuple[str, str]]:
     return out
 
 
+def check_method(cfg: DictConfig) -> str:
+    """Build the method on the model's meta-device twin (no weights) and refuse what the run would refuse: the
+    method's own options and a method the hardware's strategy cannot run. Returns what was checked."""
+    import torch
+
+    from ..analysis.estimate import architecture_config
+    from ..analysis.meta_costs import meta_model, quiet_init
+    from ..strategies import config_strategy_kind, refuse_unsupported
+
+    if cfg.task.name != "finetune":
+        return f"method built by task={cfg.task.name} itself: not checked here"
+    with quiet_init():
+        model = meta_model(architecture_config(cfg.model), torch.bfloat16)
+    module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
+                         _recursive_=False)
+    kind = config_strategy_kind(cfg.hardware.trainer)
+    refuse_unsupported(module, kind)
+    return f"method={cfg.method.name} builds on the meta model and runs under {kind}"
+
+
 def plan(cfg: DictConfig) -> dict:
     """Print the plan of ``cfg`` and write ``plan.json``; loads no weights, trains nothing."""
     from ..analysis.estimate import architecture_config
@@ -171,12 +191,13 @@ def plan(cfg: DictConfig) -> dict:
             else "model.config (a config built from config_class)" if model.get("config_class")
             else f"{model.pretrained}/config.json (local)")
     architecture_config(model)  # refuses a model whose architecture cannot be read offline
+    checked = check_method(cfg)
     world, world_note = world_size(cfg)
     summary: dict = {"task": cfg.task.name, "model": model.name, "method": cfg.method.get("name"),
                      "architecture": arch, "world_size": world, "output_dir": str(out_dir)}
     lines = [(f"task={cfg.task.name} model={model.name} method={cfg.method.get('name')}; architecture from {arch}; "
               "no weights loaded"),
-             f"data-parallel ranks: {world}" + (f" ({world_note})" if world_note else "")]
+             f"data-parallel ranks: {world}" + (f" ({world_note})" if world_note else ""), f"checks: {checked}"]
     length = None
     if cfg.task.name in TRAINING_TASKS and "trainer" in cfg.task:
         tokenizer, how = _tokenizer(model)
