@@ -16,8 +16,10 @@ log = logging.getLogger(__name__)
 #: estimate strategy -> the hardware setting that runs it (ddp on one GPU: hardware=gpu)
 HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
             "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp"}
-#: strategies a method is refused under (moe_lab.strategies: DenseMixer under sharded parameters, ESFT/LoRA on FSDP)
-REFUSED = {"densemixer": ("zero3", "zero3_offload", "fsdp"), "esft": ("fsdp",), "lora": ("fsdp",)}
+#: strategies a method is refused under (moe_lab.strategies: DenseMixer under sharded parameters, LoRA on FSDP;
+#: moe_lab.methods.esft_module: ESFT under any flat-sharding strategy)
+REFUSED = {"densemixer": ("zero3", "zero3_offload", "fsdp"), "esft": ("zero2", "zero3", "zero3_offload", "fsdp"),
+           "lora": ("fsdp",)}
 ASSUMED_GPU_GB = 80.0  # the papers' machines: 8 x 80 GB
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -36,6 +38,8 @@ def estimate_method(cfg: DictConfig) -> str:
     """The estimate's method row for ``cfg.method`` (condenser budget, LoRA, ESFT variants, KD)."""
     if cfg.method.get("lora"):
         return "lora"
+    if cfg.method.get("name") == "kd":  # teacher (frozen) + student
+        return "kd"
     kind = str(cfg.method.get("method") or cfg.method.get("name"))
     if kind == "condenser":
         budget = OmegaConf.select(cfg, "method.options.budget", default="replace")
