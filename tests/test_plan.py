@@ -127,7 +127,7 @@ def test_run_that_does_not_fit_is_refused_before_loading(h100, monkeypatch):
     import moe_lab.models
 
     monkeypatch.setattr(moe_lab.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
-    cfg = _gpu_run("hardware=gpu", "hardware.trainer.devices=1")  # one GPU holding all of OLMoE-7B's training state
+    cfg = _gpu_run("hardware=gpu")  # one GPU holding all of OLMoE-7B's training state
     est = memory_fit.memory_estimate(cfg, 1, 8)
     assert est["gpu_gb"] > 80 and est["hardware"] == "gpu"
     with pytest.raises(ValueError) as err:
