@@ -21,6 +21,7 @@ the issue's command line once through ``python run.py`` itself.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,27 @@ from tests.presets import CONF, compose_preset, data_overrides, real_model_prese
 pytestmark = pytest.mark.slow
 
 PRESETS = real_model_presets()
+#: run in the default (slow) suite: every task kind, dataset format and model family once (~1/3 of the CPU time of
+#: all presets). The rest carry the ``all_presets`` marker and run with MOE_LAB_ALL_PRESETS=1:
+#:   MOE_LAB_ALL_PRESETS=1 python -m pytest -m all_presets tests/test_presets_run.py
+REPRESENTATIVE = {
+    "compressed_experts/olmoe",      # finetune, packing, epochs (the issue's example), OLMoE
+    "compressed_experts/phimoe",     # PhiMoE
+    "condenser/math_gptoss",         # GPT-OSS, LLM-Adapters rows
+    "condenser/s1_qwen3",            # reasoning traces, Qwen3-MoE
+    "densemixer/gsm_qwen1_5",        # prompt/completion rows, Qwen1.5-MoE (Qwen2-MoE)
+    "densemixer/nemotron_code_qwen3_base",  # ShareGPT turns
+    "esft/dsv2lite",                 # chat rows, step-based, DeepSeek-V2
+    "moe_to_dense/qwen3_30b_a3b",    # task=moe_to_dense: calibration, conversion, distillation (text blocks)
+    "condense/qwen1_5_moe_sr",       # task=calibrate then task=condense
+    "condense/deepseek_moe_s_sft",   # task=cd_moe_sft
+}
+ALL_PRESETS = pytest.mark.skipif(not os.environ.get("MOE_LAB_ALL_PRESETS"),
+                                 reason="MOE_LAB_ALL_PRESETS=1 runs every preset (see REPRESENTATIVE)")
+
+
+def _param(preset: str):
+    return preset if preset in REPRESENTATIVE else pytest.param(preset, marks=[pytest.mark.all_presets, ALL_PRESETS])
 TINY_TOP_K, TINY_MOE_LAYERS = 2, 2  # every conf/model/tiny_*.yaml: 8 experts, top-2, 2 MoE layers
 SEARCH = {"num_sequences": 4, "seq_len": 16, "batch_size": 2, "sample": "first"}
 
@@ -109,7 +131,7 @@ def _reload(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [_param(p) for p in PRESETS])
 def test_preset_runs_on_its_tiny_sibling(preset, tmp_path):
     summary = run_preset(preset, tmp_path)
     exports = _exports(summary)
@@ -137,10 +159,11 @@ def test_flagship_condenser_method_runs_and_chooses_condensers(tmp_path):
 
 
 def test_issue_command_runs_through_run_py(tmp_path):
-    """The command of issue 17 (refused before by the preflight: max_steps=-1), through ``python run.py``."""
+    """The command of issue 17 (refused before by the preflight: max_steps=-1), through ``python run.py`` (8 rows;
+    max_length: the preset's 4096 is above the tiny model's 512 positions)."""
     from tests.test_run import run_py
 
     proc = run_py("experiment=compressed_experts/olmoe", "model=tiny_olmoe", "hardware=cpu", "dataset=math_data",
-                  f"dataset.path={SHARED_DATA / 'math_data.json'}", "dataset.num_examples=8", "dataset.max_length=256",
+                  f"dataset.path={SHARED_DATA / 'math_data.json'}", "dataset.num_examples=8", "dataset.max_length=512",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert "run finished" in proc.stdout and (tmp_path / "run" / "export" / "config.json").is_file()
