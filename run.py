@@ -1,6 +1,7 @@
 """moe-lab entry point: ``python run.py [task=...] [model=...] [method=...] [dataset=...] [-m ...]``.
 
-``python run.py task.resume=<run dir>`` continues that run in its directory with its own overrides (any
+``python run.py <overrides> plan=true`` prints what the run would do (data, steps, schedule, phases, memory, eval
+sets) without loading weights or training. ``python run.py task.resume=<run dir>`` continues that run in its directory with its own overrides (any
 override given after it wins, e.g. ``task.trainer.max_steps=2000`` to train longer).
 """
 
@@ -218,6 +219,13 @@ def write_run_files(cfg: DictConfig, out: Path, subdir: str | None) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
+    summary = execute(cfg)
+    return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
+
+
+def execute(cfg: DictConfig) -> dict:
+    """Run (or with ``plan=true`` only plan) the composed config; returns the task's summary. ``main`` is this
+    behind Hydra's command line; tests call it in-process on a config composed with ``paths.output_dir`` set."""
     from moe_lab.tasks import run_task
     from moe_lab.tasks.finetune import RunInterrupted
     from moe_lab.tasks.preflight import preflight
@@ -238,6 +246,11 @@ def main(cfg: DictConfig):
     defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))
     if _DEFERRED_SUBDIR is None:
         accept_run()  # a new run directory: written now
+    if cfg.get("plan"):
+        from moe_lab.tasks.plan import plan
+
+        preflight(cfg, plan=True)
+        return plan(cfg)
     preflight(cfg)
     try:
         summary = run_task(cfg)
@@ -256,7 +269,7 @@ def main(cfg: DictConfig):
         if wandb.run is not None:
             wandb.finish()
     print(f"Output directory: {out}")
-    return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
+    return summary
 
 
 if __name__ == "__main__":

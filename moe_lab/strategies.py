@@ -165,7 +165,12 @@ def set_z3_leaf_modules(module) -> list[torch.nn.Module]:
 
 
 def _refuse(module, strategy) -> None:
-    kind = strategy_kind(strategy)
+    refuse_unsupported(module, strategy_kind(strategy))
+
+
+def refuse_unsupported(module, kind: str) -> None:
+    """Refuse a method that cannot run under the strategy ``kind`` (:func:`strategy_kind`; also used by
+    ``plan=true`` on a module built on the meta device)."""
     if kind not in ("deepspeed_zero3", "fsdp"):
         return
     patch = getattr(module, "patch", None)

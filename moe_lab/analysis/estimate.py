@@ -202,19 +202,21 @@ def architecture_config(model_cfg):
 
 
 def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, param_bytes: int = 2,
-             grad_bytes: int = 2, optimizer_bytes: int = 12, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Everything ``task=estimate`` writes, for one HF config (no weights)."""
+             grad_bytes: int = 2, optimizer_bytes: int = 12, dtype: torch.dtype = torch.bfloat16,
+             with_student: bool = True) -> dict:
+    """Everything ``task=estimate`` writes, for one HF config (no weights); ``with_student=False`` skips the MoE -> dense
+    student (the ``kd`` / ``dense_student`` rows), the slowest part, when only fine-tuning methods are asked for."""
     with quiet_init():
         model = meta_model(config, dtype)
     counts = count_parameters(model)
     if not counts.experts:
         raise ValueError(f"{config.model_type}: the model has no MoE layer to estimate")
-    try:
-        student_model = dense_student(model)
-    except (ValueError, AttributeError) as err:
-        student_model, student_note = None, str(err)
-    else:
-        student_note = ""
+    student_model, student_note = None, "not asked for (with_student=False)"
+    if with_student:
+        try:
+            student_model, student_note = dense_student(model), ""
+        except (ValueError, AttributeError) as err:
+            student_note = str(err)
     student = None
     if student_model is not None:
         s_counts = count_parameters(student_model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import signal
 import sys
@@ -79,9 +80,20 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
                                      cfg.task.get("keep_last_checkpoints", 0))
     return L.Trainer(
-        default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint],
+        default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint, _LogShortEpochRuns()],
         strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
     )
+
+
+class _LogShortEpochRuns(L.Callback):
+    """An epoch-based run (``max_steps=-1``) shorter than ``log_every_n_steps`` still logs its loss: the interval is
+    capped at the run's optimizer steps once Lightning knows them (``build_trainer`` does it for ``max_steps``)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.max_steps < 0:
+            total = trainer.estimated_stepping_batches
+            if math.isfinite(total):
+                trainer.log_every_n_steps = max(1, min(trainer.log_every_n_steps, int(total)))
 
 
 class _RunInfo(L.Callback):

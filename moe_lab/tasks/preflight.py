@@ -16,7 +16,6 @@ log = logging.getLogger(__name__)
 
 # field -> (kind, smallest allowed value, strictly greater?)
 FINETUNE_NUMBERS = {
-    "task.trainer.max_steps": ("int", 1, False),
     "task.trainer.log_every_n_steps": ("int", 1, False),
     "task.trainer.accumulate_grad_batches": ("int", 1, False),
     "task.checkpoint_every_n_steps": ("int", 1, False),
@@ -40,8 +39,29 @@ def _number(field: str, value, kind: str):
     return value
 
 
+def check_length(cfg: DictConfig) -> None:
+    """The run ends: ``max_steps >= 1``, or ``max_steps=-1`` with ``max_epochs >= 1`` (an epoch-based run, as the
+    papers' presets are; its optimizer steps follow from the data: :func:`moe_lab.tasks.plan.optimizer_steps`)."""
+    steps_field, epochs_field = "task.trainer.max_steps", "task.trainer.max_epochs"
+    steps = OmegaConf.select(cfg, steps_field, default=None)
+    epochs = OmegaConf.select(cfg, epochs_field, default=None)
+    steps = -1 if steps is None else _number(steps_field, steps, "int")
+    epochs = -1 if epochs is None else _number(epochs_field, epochs, "int")
+    if epochs == 0 or epochs < -1:
+        raise ValueError(f"{epochs_field}={epochs} must be >= 1, or -1 to end the run by {steps_field}")
+    if steps == 0:
+        raise ValueError(f"{steps_field}=0 must be >= 1, or -1 with {epochs_field} >= 1 (max_steps=0 trains "
+                         "nothing: to score a model without training use task=evaluate)")
+    if steps < -1:
+        raise ValueError(f"{steps_field}={steps} must be >= 1, or -1 with {epochs_field} >= 1")
+    if steps == -1 and epochs == -1:
+        raise ValueError(f"{steps_field}=-1 and {epochs_field}=-1: the run would never end. Set {steps_field} "
+                         f"(e.g. {steps_field}=1000) or {epochs_field} (e.g. {epochs_field}=2 {steps_field}=-1)")
+
+
 def check_numbers(cfg: DictConfig) -> None:
     """Every numeric training field has the right type and range (``max_steps=1k``, ``lr=-1``, ...)."""
+    check_length(cfg)
     for field, (kind, low, strict) in FINETUNE_NUMBERS.items():
         value = OmegaConf.select(cfg, field, default=None)
         if value is None:
@@ -49,9 +69,7 @@ def check_numbers(cfg: DictConfig) -> None:
         value = _number(field, value, kind)
         if value < low or (strict and value == low):
             relation = f"> {low}" if strict else f">= {low}"
-            hint = (" (max_steps=0 trains nothing: to score a model without training use task=evaluate)"
-                    if field == "task.trainer.max_steps" and value == 0 else "")
-            raise ValueError(f"{field}={value} must be {relation}{hint}")
+            raise ValueError(f"{field}={value} must be {relation}")
     interval = OmegaConf.select(cfg, "task.trainer.val_check_interval", default=None)
     if interval is not None:
         interval = _number("task.trainer.val_check_interval", interval, "float")
@@ -102,9 +120,16 @@ def check_wandb(cfg: DictConfig, timeout_s: float = 3.0) -> None:
     log.warning("logger=wandb: %s, logging offline (WANDB_MODE=offline); upload later with `wandb sync`", reason)
 
 
-def preflight(cfg: DictConfig) -> None:
-    """All checks for ``cfg.task.name`` (the finetune checks only where they apply)."""
+def preflight(cfg: DictConfig, plan: bool = False) -> None:
+    """All checks for ``cfg.task.name`` (the finetune checks only where they apply). ``plan=True`` (``plan=true``)
+    keeps the checks of the config and skips those of this machine (CUDA, memory of its GPU, W&B's network):
+    a plan is made anywhere and reports the memory instead of refusing."""
+    from .memory_fit import check_memory
+
     if cfg.task.name == "finetune":
         check_numbers(cfg)
+    if plan:
+        return
     check_hardware(cfg)
+    check_memory(cfg)
     check_wandb(cfg)

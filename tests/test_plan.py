@@ -1,0 +1,231 @@
+"""``plan=true`` (moe_lab/tasks/plan.py), the epoch-based preflight and the memory preflight
+(moe_lab/tasks/memory_fit.py).
+
+Oracles: Lightning's own loop (optimizer steps of a real ``Trainer.fit``), torch's DistributedSampler (rows per
+rank), hand-computed schedule values, and the tiny-sibling run of a preset (its global step and data counts are
+what the plan of the same config predicted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import run
+from moe_lab.data.resumable import ResumableSampler
+from moe_lab.tasks import memory_fit
+from moe_lab.tasks.plan import optimizer_steps, schedule_points
+from moe_lab.tasks.preflight import check_length, preflight
+from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
+
+PRESETS = real_model_presets()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# optimizer steps: Lightning's loop and torch's sampler are the oracles
+
+
+class _Linear(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("rows,batch,accumulate,epochs,max_steps", [
+    (10, 3, 2, 3, -1),   # 4 micro-batches an epoch, a step every 2: 2 an epoch
+    (7, 2, 3, 2, -1),    # 4 micro-batches, accumulation 3: the epoch's last step takes the remaining 1
+    (10, 3, 2, -1, 5),   # step-based
+    (10, 3, 2, 3, 4),    # both: max_steps ends it first
+    (5, 8, 64, 2, -1),   # fewer rows than a batch, accumulation longer than the epoch: 1 step an epoch
+])
+def test_optimizer_steps_are_lightnings(rows, batch, accumulate, epochs, max_steps, tmp_path):
+    data = DataLoader(TensorDataset(torch.zeros(rows, 2)), batch_size=batch)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, max_steps=max_steps, accumulate_grad_batches=accumulate,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_Linear(), data)
+    got = optimizer_steps(rows, batch, accumulate, 1, epochs, max_steps)
+    assert got["optimizer_steps"] == trainer.global_step
+    assert got["micro_batches_per_epoch"] == len(data)
+
+
+@pytest.mark.parametrize("rows,world", [(10, 4), (9, 3), (3, 8)])
+def test_rows_per_rank_follow_the_samplers(rows, world):
+    data = TensorDataset(torch.zeros(rows, 1))
+    per_rank = {len(DistributedSampler(data, num_replicas=world, rank=r)) for r in range(world)}
+    ours = {len(ResumableSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)}
+    assert per_rank == ours == {math.ceil(rows / world)}
+    got = optimizer_steps(rows, 2, 1, world, 1, -1)
+    assert got["micro_batches_per_epoch"] == math.ceil(math.ceil(rows / world) / 2)
+    assert got["sequences_per_step"] == 2 * world
+
+
+def test_schedule_points_by_hand():
+    # OLMoE on Math7K as planned: 26 steps, warm-up ratio 0.03 -> ceil(0.78) = 1 step, linear to 0 at step 26
+    s = schedule_points(26, OmegaConf.create({"name": "linear", "warmup_steps": 0, "warmup_ratio": 0.03,
+                                              "min_lr_ratio": 0.0}))
+    assert s["warmup_steps"] == 1
+    assert dict(s["points"]) == pytest.approx({0: 0.0, 1: 1.0, 6: 20 / 25, 13: 13 / 25, 19: 7 / 25, 25: 1 / 25})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the preflight: epoch-based runs pass, a run without an end is refused
+
+
+def _lengths(steps, epochs):
+    return OmegaConf.create({"task": {"name": "finetune", "trainer": {"max_steps": steps, "max_epochs": epochs}}})
+
+
+@pytest.mark.parametrize("steps,epochs", [(-1, 2), (1000, -1), (10, 2), (-1, 1)])
+def test_epoch_or_step_based_runs_pass(steps, epochs):
+    check_length(_lengths(steps, epochs))
+
+
+@pytest.mark.parametrize("steps,epochs,message", [
+    (-1, -1, "would never end"),
+    (0, 2, "trains nothing"),
+    (-5, 2, "max_steps=-5 must be >= 1, or -1"),
+    (-1, 0, "max_epochs=0 must be >= 1"),
+    ("1k", 2, "is not a number"),
+])
+def test_runs_without_an_end_are_refused(steps, epochs, message):
+    with pytest.raises(ValueError, match=message):
+        check_length(_lengths(steps, epochs))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the memory preflight (item 5), with a mocked device
+
+
+def _gpu_run(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=["experiment=condenser/math_olmoe", *overrides])
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """A machine with 8 CUDA GPUs of 80 GB (mocked: no GPU is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(memory_fit, "_cuda_memory_gb", lambda: (80.0, "mock 80 GB GPU"))
+
+
+def test_run_that_does_not_fit_is_refused_before_loading(h100, monkeypatch):
+    import moe_lab.models
+
+    monkeypatch.setattr(moe_lab.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    cfg = _gpu_run("hardware=gpu")  # one GPU holding all of OLMoE-7B's training state
+    est = memory_fit.memory_estimate(cfg, 1, 8)
+    assert est["gpu_gb"] > 80 and est["hardware"] == "gpu"
+    with pytest.raises(ValueError) as err:
+        preflight(cfg)
+    message = str(err.value)
+    assert f"{est['gpu_gb']:.1f} GB per GPU" in message and "80 GB of this GPU (mock 80 GB GPU)" in message
+    fits = [f"hardware={name} ({gb:.1f} GB)" for name, gb in est["options"] if gb <= 80]
+    named = message.split("that fit")[1]
+    assert fits and all(f in named for f in fits) and "hardware=gpu " not in named
+    preflight(_gpu_run("hardware=deepspeed_zero3"))  # a setting the message named: passes
+    preflight(_gpu_run())  # the preset's own hardware (ZeRO-2 on 8 GPUs) fits too
+
+
+def test_memory_estimate_is_task_estimates_row():
+    """The preflight's number is ``task=estimate``'s row for the run's method, strategy and checkpointing."""
+    from moe_lab.analysis.estimate import Options, architecture_config, estimate
+
+    # checkpointing on: the estimate's activations without it differ by ~0.1% from one call to the next (its
+    # meta-device measurement of saved tensors), with it they are reproducible to the byte
+    cfg = _gpu_run("hardware=deepspeed_zero2", "method=densemixer", "method.gradient_checkpointing=true")
+    est = memory_fit.memory_estimate(cfg, 8)
+    full = estimate(architecture_config(cfg.model), seq_len=4096, batch=4, opts=Options(), gpus=8,
+                    with_student=False)
+    [row] = [r for r in full["methods"]["densemixer"]["memory"]
+             if r["strategy"] == "zero2" and r["activation_checkpointing"]]
+    assert (est["method"], est["strategy"], est["gpu_gb"]) == ("densemixer", "zero2", row["gpu_total_gb"])
+    assert {name for name, _ in est["options"]} == {"gpu_ddp", "deepspeed_zero2"}  # DenseMixer: no sharded params
+
+
+def test_cpu_runs_are_never_refused_for_memory(h100):
+    memory_fit.check_memory(_gpu_run("hardware=cpu", "model=tiny_olmoe"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# plan=true (item 6)
+
+
+def _plan(preset, tmp_path, *extra, n=64):
+    base = compose_preset(preset)
+    over = [f"experiment={preset}", "plan=true", f"paths.output_dir={tmp_path / 'run'}",
+            *data_overrides(base, tmp_path / "data", n=n, resize=False), *extra]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=over)
+    return run.execute(cfg)
+
+
+def test_plan_loads_nothing_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    import moe_lab.models
+    import moe_lab.tasks
+
+    monkeypatch.setattr(moe_lab.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(moe_lab.tasks, "run_task", lambda *a, **k: pytest.fail("task run"))
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: pytest.fail("trained"))
+    summary = _plan("condenser/math_olmoe", tmp_path, "method=condenser")
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["length"] == summary["length"]
+    assert "no weights loaded" in out and f"output directory: {tmp_path / 'run'}" in out
+    # 64 rows, val 5% = 3 -> 61 train rows over 8 GPUs: 8 per rank, 4 per micro-batch -> 2 micro-batches an epoch;
+    # accumulation 8: 1 step an epoch (at its end), 2 epochs; 4 x 8 x 8 = 256 sequences a step
+    assert summary["data"]["train_examples"] == 61 and summary["world_size"] == 8
+    assert summary["length"] == {"micro_batches_per_epoch": 2, "steps_per_epoch": 1, "optimizer_steps": 2,
+                                 "epochs": 2.0, "sequences_per_step": 256}
+    assert "NEVER within this run's 2 steps" in out  # the condenser's 100 bias updates (issue 17)
+    assert "ESTIMATE" in summary["tokenizer"]  # OLMoE's tokenizer is not here: byte counts, said so
+    assert summary["memory"]["device_gb"] == 80.0 and "fits" in out and summary["memory"]["gpu_gb"] <= 80
+
+
+def test_plan_refuses_what_a_run_refuses(tmp_path):
+    with pytest.raises(ValueError, match="would never end"):
+        _plan("condenser/math_olmoe", tmp_path, "task.trainer.max_epochs=-1")
+    with pytest.raises(ValueError, match="method=densemixer under hardware=deepspeed_zero3"):
+        _plan("condenser/math_olmoe", tmp_path, "method=densemixer", "hardware=deepspeed_zero3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_real_model_preset_plans_offline(preset, tmp_path, capsys):
+    summary = _plan(preset, tmp_path)
+    out = capsys.readouterr().out
+    assert "nothing loaded, nothing trained" in out and "output directory:" in out
+    assert summary["architecture"].startswith("model.architecture")  # the real model's typed-in config.json
+    if "length" in summary:  # a training preset: its hardware fits the papers' 8 x 80 GB by moe-lab's estimate
+        assert summary["length"]["optimizer_steps"] >= 1 and summary["world_size"] == 8
+        assert 0 < summary["memory"]["gpu_gb"] <= 80 == summary["memory"]["device_gb"]
+        assert all(where for _, where in summary["eval"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["compressed_experts/olmoe", "condenser/math_qwen1_5", "esft/dsv2lite"])
+def test_plan_predicts_the_run(preset, tmp_path):
+    """The plan of the tiny-sibling run of a preset gives the optimizer steps and data counts the run then has."""
+    from tests.test_presets_run import preset_overrides
+
+    over = [f"experiment={preset}", *preset_overrides(preset, tmp_path)]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        planned = run.execute(compose(config_name="config", overrides=[*over, "plan=true"]))
+        done = run.execute(compose(config_name="config", overrides=over))
+    assert planned["length"]["optimizer_steps"] == done["global_step"]
+    counts = planned["data"]["overflow"]["train"]
+    assert done["data"]["train"] == {"kept": counts.get("kept", 0), "truncated": counts.get("truncated", 0),
+                                     "dropped": counts.get("too_long", 0) + counts.get("no_labels", 0)}
