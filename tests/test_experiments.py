@@ -40,6 +40,10 @@ CONDENSER_OLMOE = _hp(OLMOE_0125, "math7k", 2e-5, 256, 2, 4096, 0.03, "linear", 
 CONDENSER_QWEN = _hp(QWEN15, "math7k", 1e-5, 64, 2, 4096, 0.1, "cosine", "math7")  # DenseMixer Pub Qwen1.5
 S1 = {"lr": 1e-5, "batch": 16, "epochs": 5, "seq": 16384, "warmup": 0.05, "schedule": "cosine",
       "eval_group": "hard_reasoning"}
+# DoRA commonsense_reasoning: llama3_8B_DoRA.sh (lr 1e-4, batch 16, 3 epochs, cutoff 256), finetune.py (warm-up 100
+# steps, linear, weight decay 0, adamw_torch, max_grad_norm 1.0)
+DORA = {"lr": 1e-4, "batch": 16, "epochs": 3, "seq": 256, "warmup": 0.0, "schedule": "linear",
+        "eval_group": "commonsense8", "warmup_steps": 100}
 CE = {"lr": 2e-5, "batch": 128, "epochs": 2, "seq": 4096, "warmup": 0.03, "schedule": "cosine", "eval_group": "lm_eval"}
 EXPECTED = {
     "condenser/math_olmoe": CONDENSER_OLMOE,
@@ -47,8 +51,18 @@ EXPECTED = {
     "condenser/math_qwen1_5": CONDENSER_QWEN,
     "condenser/math_dsv2lite": {**CONDENSER_QWEN, "model": DSV2},
     "condenser/math_gptoss": {**CONDENSER_QWEN, "model": "openai/gpt-oss-20b"},
-    "condenser/commonsense_olmoe": {**CONDENSER_OLMOE, "dataset": "commonsense15k", "eval": "commonsense8"},
-    "condenser/commonsense_qwen1_5": {**CONDENSER_QWEN, "dataset": "commonsense15k", "eval": "commonsense8"},
+    # Table 3: "the hyper-parameters described in (Liu et al., 2024b)": DoRA's commonsense scripts (NVlabs/DoRA)
+    "condenser/commonsense_olmoe": _hp(OLMOE_0125, "commonsense15k", **DORA),
+    "condenser/commonsense_qwen1_5": _hp(QWEN15, "commonsense15k", **DORA),
+    # ablations (Appendix M.1 / M.2, P.1, P.2): the main table's training on the paper's models
+    "condenser/ablation_m1_dsv2lite": {**CONDENSER_QWEN, "model": DSV2, "method": "condenser"},
+    "condenser/ablation_m1_qwen1_5": {**CONDENSER_QWEN, "method": "condenser"},
+    "condenser/ablation_m2_dsv2lite": {**CONDENSER_QWEN, "model": DSV2, "method": "condenser"},
+    "condenser/ablation_m2_qwen1_5": {**CONDENSER_QWEN, "method": "condenser"},
+    "condenser/gamma_dsv2lite": {**CONDENSER_QWEN, "model": DSV2, "method": "condenser"},
+    "condenser/gamma_qwen1_5": {**CONDENSER_QWEN, "method": "condenser"},
+    "esft/epochs_olmoe": {**CONDENSER_OLMOE, "method": "esft_token"},
+    "esft/epochs_dsv2lite": {**CONDENSER_QWEN, "model": DSV2, "method": "esft_token"},
     "condenser/s1_qwen3": _hp("Qwen/Qwen3-30B-A3B", "s1k", **S1),
     "condenser/s1_dscoder": _hp("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct", "s1k", **S1),
     "condenser/s1_qwen1_5": _hp(QWEN15, "s1k", **S1),
@@ -190,7 +204,8 @@ def test_preset_carries_the_papers_hyper_parameters(preset):
     assert (task.trainer.max_epochs, task.trainer.max_steps) == (want["epochs"], want["steps"])
     assert data.max_length == want["seq"]
     assert task.scheduler.name == want["schedule"]
-    assert task.scheduler.warmup_ratio == want["warmup_ratio"] and task.scheduler.warmup_steps == 0
+    assert task.scheduler.warmup_ratio == want["warmup_ratio"]
+    assert task.scheduler.warmup_steps == want.get("warmup_steps", 0)
     assert task.scheduler.min_lr_ratio == 0.0  # HF/TRL schedules decay to 0
     assert task.optim.weight_decay == want["wd"] and list(task.optim.betas) == want["betas"]
     assert task.trainer.gradient_clip_val == want["clip"]
@@ -286,6 +301,70 @@ def test_sweep_rows_label_each_job_like_reported_csv():
     ks = str(ce.hydra.sweeper.params["method.options.k_main"]).split(",")
     reported = {r["row"] for r in collect.load_reported("compressed_experts") if r["table"] == "k_main sweep"}
     assert {f"compressed_experts_k{k}" for k in ks} <= reported  # the paper's Table 1: k_main 1, 2, 4
+
+
+# sweep presets -> (the swept key, extra overrides, reported.csv table): their jobs are exactly the table's rows
+SWEEPS = {
+    "condenser/gamma_qwen1_5": ("method.options.gamma", (), "Gamma sweep"),  # Table 13
+    "condenser/gamma_dsv2lite": ("method.options.gamma", (), "Gamma sweep"),  # Table 14
+    "condenser/ablation_m1_qwen1_5": ("experiment/row", (), "Ablation M.1"),  # Table 9
+    "condenser/ablation_m1_dsv2lite": ("experiment/row", (), "Ablation M.1"),
+    "condenser/ablation_m2_qwen1_5": ("experiment/row", (), "Ablation M.2"),  # Table 10
+    "condenser/ablation_m2_dsv2lite": ("experiment/row", (), "Ablation M.2"),
+    "esft/epochs_olmoe": ("task.trainer.max_epochs", (), "ESFT epochs Math7K"),  # Table 12
+    "esft/epochs_olmoe math14k": ("task.trainer.max_epochs", ("dataset=math14k",), "ESFT epochs Math14K"),  # 11
+    "esft/epochs_dsv2lite": ("task.trainer.max_epochs", (), "ESFT epochs Math7K"),  # Table 12
+}
+
+
+@pytest.mark.parametrize("sweep", sorted(SWEEPS))
+def test_table_sweeps_run_exactly_the_papers_rows(sweep):
+    """Each job of a table's sweep preset is one reported.csv row (model, row label, training data), and the
+    sweep covers every row of that table for that model; gamma rows are bias-only (n 0, aux loss off)."""
+    key, extra, table = SWEEPS[sweep]
+    preset = f"experiment={sweep.split()[0]}"
+    values = str(_compose(preset, *extra).hydra.sweeper.params[key]).split(",")
+    jobs = set()
+    for value in values:
+        cfg = _compose(preset, *extra, f"{key}={value}")
+        jobs.add((cfg.model.name, cfg.method.name, cfg.hydra.runtime.choices.dataset))
+        if key == "method.options.gamma":
+            assert (cfg.method.options.n, cfg.method.aux_loss_coef) == (0, 0.0)
+            assert cfg.method.options.gamma == float(value)
+        if key == "task.trainer.max_epochs":
+            assert cfg.task.trainer.max_epochs == int(value) and cfg.hydra.runtime.choices.method == "esft_token"
+    model = {cfg.model.name}
+    reported = {(r["model"], r["row"], r["train"]) for r in collect.load_reported("condenser")
+                if r["table"] == table and r["model"] in model}
+    assert len(jobs) == len(values) and jobs == reported
+
+
+@pytest.mark.parametrize("preset,tiny", [("condenser/gamma_qwen1_5", "tiny_qwen2_moe"),
+                                         ("condenser/gamma_dsv2lite", "tiny_deepseek_v2")])
+def test_bias_only_rows_learn_biases_and_train_weights_from_step_zero(preset, tiny):
+    """n 0 (aux-free+bias, the gamma tables): no condensers and no frozen warm-up; one update moves every bias by
+    +-gamma (sign(mean load - load), sparsify: the overloaded experts up) and the weights keep their gradients."""
+    import torch
+    from hydra.utils import instantiate
+
+    from moe_lab.models import load_model
+
+    cfg = _compose(f"experiment={preset}", f"model={tiny}", "method.options.gamma=5e-5")
+    model, _ = load_model(cfg.model)
+    module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
+                         _recursive_=False)
+    updater = module.patch.bias_updater
+    assert not updater.freezes_weights
+    ids = torch.randint(3, cfg.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    module.model(input_ids=ids, labels=ids).loss.backward()
+    loads = updater.global_loads()
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.0)
+    updater.before_optimizer_step(optimizer)
+    assert all(p.grad is not None for p in optimizer.param_groups[0]["params"])  # nothing dropped
+    updater()
+    for layer, load in zip(module.patch.layers, loads):
+        want = -5e-5 * torch.sign(load.mean() - load)
+        assert torch.equal(layer.bias, want.float()) and not layer.forced_experts
 
 
 def test_reported_rows_are_labels_our_presets_produce():
