@@ -190,7 +190,8 @@ def test_plan_loads_nothing_and_trains_nothing(tmp_path, monkeypatch, capsys):
     assert summary["data"]["train_examples"] == 61 and summary["world_size"] == 8
     assert summary["length"] == {"micro_batches_per_epoch": 2, "steps_per_epoch": 1, "optimizer_steps": 2,
                                  "epochs": 2.0, "sequences_per_step": 256}
-    assert "NEVER within this run's 2 steps" in out  # the condenser's 100 bias updates (issue 17)
+    # issue 17: the condensers are chosen before step 0 (20 updates of 8 accumulated micro-batches), not never
+    assert "before step 0 by a forward-only pre-phase: 20 bias updates x 8 micro-batch(es) per rank" in out
     assert "ESTIMATE" in summary["tokenizer"]  # OLMoE's tokenizer is not here: byte counts, said so
     assert summary["memory"]["device_gb"] == 80.0 and "fits" in out and summary["memory"]["gpu_gb"] <= 80
 

@@ -103,12 +103,18 @@ def method_phases(cfg: DictConfig, length: dict | None) -> list[str]:
         elif o.get("bias_file"):
             out.append(f"condensers: chosen at the start from the biases of {o.bias_file}")
         elif int(o.get("n", 0)):
-            w = int(o.warmup_steps)
-            frozen = "weights frozen" if not o.get("warmup_trains_weights") else "weights train"
-            when = f"after {w} bias updates (optimizer steps 1..{w}, {frozen})"
-            if total is not None:
-                when += (f" = {w / length['steps_per_epoch']:.2f} epochs; NEVER within this run's {total} steps"
-                         if w >= total else f" = {w / length['steps_per_epoch']:.2f} epochs of {length['epochs']:.2f}")
+            u = int(o.selection_updates)
+            if o.get("selection", "pre_phase") == "pre_phase":
+                per = 1 if o.get("update_every") == "micro_batch" else int(cfg.task.trainer.accumulate_grad_batches)
+                when = (f"before step 0 by a forward-only pre-phase: {u} bias updates x {per} micro-batch(es) per "
+                        "rank (no gradients, no optimizer or LR-schedule step)")
+                if length:
+                    when += f" = {u * per / length['micro_batches_per_epoch']:.2f} epochs of forwards"
+            else:
+                when = f"during training after {u} bias updates (weights train from step 0)"
+                if total is not None:
+                    when += (f"; NEVER within this run's {total} steps: refused" if u >= total
+                             else f" = {u / length['steps_per_epoch']:.2f} epochs of {length['epochs']:.2f}")
             out.append(f"condensers ({o.n} per layer): chosen {when}")
         out.append(f"router biases: updated every optimizer step (gamma {o.gamma}, {o.sign})")
     if method == "esft":
