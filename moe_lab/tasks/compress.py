@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.dense import export_compressed, to_dense
 from ..compress.prune import prune_experts, strategy_counts
@@ -114,7 +115,7 @@ def compress(cfg: DictConfig) -> dict:
                                    group_balanced=bool(p.group_balanced), seed=int(c.seed))
             summary.update(_single(pruned, tokenizer, ids, ppl_kw, c, out))
     summary["wall_time_s"] = round(time.time() - start, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=str)
     return summary
 
 

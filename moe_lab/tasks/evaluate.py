@@ -22,6 +22,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ..atomic import atomic_write_json
+from ..compress.export_check import check_export
 from ..data.prompts import build_prompt
 from ..eval.choices import choice_item, get_format
 from ..eval.eval_sets import (
@@ -70,6 +72,7 @@ def load_for_eval(cfg: DictConfig):
             if not (path / "config.json").is_file():
                 raise ValueError(f"task.checkpoint={ckpt} has no config.json: not a model directory "
                                  "(AutoModelForCausalLM.from_pretrained must load it)")
+            check_export(path, "task.checkpoint")
             run = _run_config(path.parent)
             has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
             try:  # the run's method decides whether a dense export (method=kd, task=moe_to_dense) loads
@@ -433,7 +436,7 @@ def _write_outputs(cfg, out: Path, table: ResultsTable, results, skipped, key, w
         "datasets": results, "skipped": skipped, "columns": table.columns, "table": table.to_json(),
         "wall_time_s": round(wall, 1),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    atomic_write_json(out / "summary.json", summary, indent=2, ensure_ascii=False)
     loggers = [instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
     with warnings.catch_warnings():  # the CSV logger shares the run directory with our outputs on purpose
         warnings.filterwarnings("ignore", message="Experiment logs directory")
