@@ -38,7 +38,7 @@ from ..eval.results import ResultsTable
 from ..eval.score import format_summary, score_choice_records, score_predictions
 from ..methods.registry import install_exported_routing
 from ..models import load_model
-from ..plain import to_plain
+from ..plain import flatten, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +118,6 @@ def _load_lightning_checkpoint(path: Path, model_cfg: dict):
 # Predictions written incrementally, resumed by id
 
 
-def _flatten(settings: dict, prefix: str = "") -> dict:
-    """``{"generation": {"max_new_tokens": 8}}`` -> ``{"generation.max_new_tokens": 8}``."""
-    flat = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 class PredictionStore:
     """``predictions/<set><suffix>.jsonl`` written a batch at a time, with the settings that made it in a
     ``.meta.json`` beside it; a re-run resumes from the ids already there."""
@@ -139,7 +128,7 @@ class PredictionStore:
         self.meta = directory / f"{name}.meta.json"
         self.settings = json.loads(json.dumps(settings))  # plain JSON types, comparable with the file
         if self.meta.is_file() and self.path.is_file():
-            before, now = _flatten(json.loads(self.meta.read_text())), _flatten(self.settings)
+            before, now = flatten(json.loads(self.meta.read_text())), flatten(self.settings)
             changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             if changed:
                 detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
