@@ -34,6 +34,7 @@ from ..eval.eval_sets import (
     resolve,
     row_ids,
 )
+from ..eval.fingerprint import model_fingerprint
 from ..eval.results import ResultsTable
 from ..eval.score import format_summary, score_choice_records, score_predictions
 from ..methods.registry import install_exported_routing
@@ -132,12 +133,14 @@ class PredictionStore:
             changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             if changed:
                 detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+                what = ("with another model (its weights changed since: the fingerprint differs; see "
+                        "moe_lab.eval.fingerprint)" if "weights" in changed else "with other settings")
                 raise ValueError(
-                    f"{self.path} was written with other settings ({detail}). Evaluate into a new output "
+                    f"{self.path} was written {what} ({detail}). Evaluate into a new output "
                     "directory (hydra.run.dir=...) or delete that file to start it over."
                 )
         else:
-            self.meta.write_text(json.dumps(self.settings, indent=2))
+            atomic_write_json(self.meta, self.settings)
 
     def load(self) -> dict[str, dict]:
         """Records by ``str(id)``; a last line cut short by a crash is dropped (and removed from the file)."""
@@ -262,7 +265,7 @@ def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settin
                "nll": float(result["nll"]), "tokens": int(result["tokens"]), "max_length": max_length,
                "stride": stride, "complete": ev.get("limit") is None, "bad_gold": []}
     pred_dir.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"settings": settings, "summary": summary}, indent=2))
+    atomic_write_json(cache, {"settings": settings, "summary": summary})
     return summary
 
 
@@ -331,7 +334,8 @@ def evaluate(cfg: DictConfig) -> dict:
     model, tokenizer, key = load_for_eval(cfg)
     model.to(ev.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     settings = {"checkpoint": None if cfg.task.get("checkpoint") is None else str(cfg.task.checkpoint),
-                "model": key[0], "method": key[1]}
+                "model": key[0], "method": key[1],
+                "weights": model_fingerprint(cfg.task.get("checkpoint"), to_plain(cfg.model))}
     table = ResultsTable()
     results: dict[str, dict] = {}
     for spec, data in loaded:
