@@ -4,10 +4,16 @@ never leaves a partial file under the final name. Files get the mode ``open()`` 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+#: what torch.save says when a write fails (a full disk among the causes): it drops the OSError's errno
+TORCH_WRITE_FAILED = ("file write failed", "enforce fail at inline_container")
 
 
 def umask_mode(mode: int = 0o666) -> int:
@@ -49,7 +55,8 @@ def atomic_write(path, write) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(Path(tmp))
+        with explain_write_failure(path):
+            write(Path(tmp))
         os.chmod(tmp, umask_mode())
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -72,3 +79,29 @@ def atomic_write_json(path, obj, **dumps) -> Path:
     """``json.dumps(obj, **dumps)`` (``indent=2`` unless given) to ``path`` atomically."""
     dumps.setdefault("indent", 2)
     return atomic_write_text(path, json.dumps(obj, **dumps))
+
+
+def _free_space(path: Path) -> str:
+    directory = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+    usage = shutil.disk_usage(directory)
+    return f"{usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB on the filesystem of {directory}"
+
+
+@contextmanager
+def explain_write_failure(path):
+    """A full disk (``ENOSPC``, or torch's errno-less write failure) while writing ``path`` is re-raised as an
+    ``OSError`` naming ``path`` and the free space, instead of the raw message."""
+    path = Path(path)
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(err.errno, f"writing {path} failed: {os.strerror(err.errno)} ({_free_space(path)}); free "
+                                 "space there or write elsewhere (paths.output_dir / hydra.run.dir)") from err
+    except RuntimeError as err:
+        if not any(text in str(err) for text in TORCH_WRITE_FAILED):
+            raise
+        first = str(err).strip().splitlines()[0]
+        raise OSError(errno.EIO, f"writing {path} failed ({_free_space(path)}; torch: {first}): if the disk is "
+                                 "full, free space there or write elsewhere (paths.output_dir / hydra.run.dir)") from err

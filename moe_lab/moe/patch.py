@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import publish_tree
+from ..atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers
@@ -240,10 +240,11 @@ def atomic_export(path: str | os.PathLike, write, hooks=()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        write(tmp)
-        for hook in hooks:
-            hook(tmp)
-        publish_tree(tmp)
+        with explain_write_failure(path):
+            write(tmp)
+            for hook in hooks:
+                hook(tmp)
+            publish_tree(tmp)
         _atomic_replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

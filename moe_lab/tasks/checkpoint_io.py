@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..atomic import umask_mode
+from ..atomic import explain_write_failure, umask_mode
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, umask_mode())
-            with os.fdopen(fd, "wb") as f:
+            with explain_write_failure(path), os.fdopen(fd, "wb") as f:
                 writer = _HashingWriter(f)
                 torch.save(checkpoint, writer)
                 f.flush()

@@ -61,7 +61,7 @@ def _lam(c):
 
 def _calibration(c, required: bool) -> Calibration | None:
     if c.calibration_file:
-        return Calibration.load(c.calibration_file)
+        return Calibration.load(c.calibration_file, field="compress.calibration_file")
     if required:
         raise ValueError("compress.calibration_file is not set: run task=calibrate first and pass "
                          "compress.calibration_file=<its run dir>/calibration.safetensors")
