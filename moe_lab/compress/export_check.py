@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 from .condense import CONDENSE_FILE
 from .dense import MANIFEST_FILE
 
-#: tasks whose exports always carry a manifest
-MANIFEST_TASKS = ("compress", "condense", "moe_to_dense", "d2d_prune", "cd_moe_sft")
+#: tasks whose ``<run>/export`` always carries a manifest (task=moe_to_dense's stages hold theirs: its
+#: ``distill/export``, a trained student, has none)
+MANIFEST_TASKS = ("compress", "condense", "d2d_prune")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
