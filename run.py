@@ -98,6 +98,8 @@ RESUMED_BY_TASK_RESUME = ("finetune", "cd_moe_sft")
 HOW_IT_RESUMES = {
     "calibrate": "run the same command again with hydra.run.dir=<run dir> (it continues "
                  "<run dir>/calibration.partial.safetensors), or point compress.calibration.resume_from at that file",
+    "compress": "run the same command again with hydra.run.dir=<run dir>: a grid or pruning study skips the points "
+                "already in its points.csv / prune.csv",
     "evaluate": "run the same command again with hydra.run.dir=<run dir>: the sets continue from the predictions "
                 "already written",
     "condenser_two_phase": "task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/"
@@ -255,10 +257,12 @@ def execute(cfg: DictConfig) -> dict:
     try:
         summary = run_task(cfg)
         accept_run()  # a task that does not accept a run itself: its files once it has succeeded
-    except RunInterrupted:
+    except RunInterrupted as stopped:
         from moe_lab.tasks.checkpoint_io import marker_path
 
-        if marker_path(out / "checkpoints" / "last.ckpt").is_file():
+        if getattr(stopped, "hint", None):  # a loop of points (compress grid, prune study): how it continues
+            print(stopped.hint, flush=True)
+        elif marker_path(out / "checkpoints" / "last.ckpt").is_file():
             print(f"Resume with: python {Path(sys.argv[0]).name} task.resume={out}", flush=True)
         else:
             print("No complete checkpoint was written: start the run again", flush=True)

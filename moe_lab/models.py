@@ -110,6 +110,9 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
                 f"cannot load model {pretrained!r} ({err.__class__.__name__}); without hub access, download it "
                 f"elsewhere and set model.pretrained=/local/path/to/{str(pretrained).split('/')[-1]}"
             ) from None
+        from .compress.export_check import check_export
+
+        check_export(pretrained, "model.pretrained")
         overrides = _as_dict(cfg.get("config"))
         if overrides and cfg.get("config_class") and type(config).__name__ != cfg["config_class"]:
             raise ValueError(

@@ -80,14 +80,27 @@ def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
     """``<job dir>/failed.json``: the failed job's model, method and error, for its row of the sweep table."""
     from omegaconf import OmegaConf
 
-    path = Path(job_dir) / FAILED
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
+    from .atomic import atomic_write_json
+
+    chain = error_chain(error)
+    return atomic_write_json(Path(job_dir) / FAILED, {
         "model": OmegaConf.select(config, "model.name", default=""),
         "method": OmegaConf.select(config, "method.name", default=""),
-        "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
-    }, indent=2))
-    return path
+        "error": chain[-1] if len(chain) == 1 else f"{chain[-1]} (raised as {chain[0]})",
+        "error_chain": chain,
+    })
+
+
+def error_chain(error: BaseException) -> list[str]:
+    """``"Type: first line"`` of ``error`` and of each exception it was raised from or during, outermost first:
+    Hydra's ``InstantiationException: Error in call to target ...`` hides the root cause in its chain."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).strip()
+        chain.append(f"{type(error).__name__}: {text.splitlines()[0] if text else ''}")
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return chain
 
 
 def log_sweep_table(config, sweep_dir: str | Path) -> Path | None:

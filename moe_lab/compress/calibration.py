@@ -108,15 +108,25 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, path) -> Calibration:
-        """Read a file written by :meth:`save`."""
+    def load(cls, path, field: str | None = None) -> Calibration:
+        """Read a file written by :meth:`save`; ``field``: the setting that named it (for the errors)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"calibration file {str(path)!r} does not exist: run task=calibrate first")
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            partial = path.with_name("calibration.partial.safetensors")
+            resume = (f", or continue its partial with compress.calibration.resume_from={partial}"
+                      if partial.is_file() else "")
+            raise ValueError(
+                f"{field or 'compress.calibration_file (or condense.calibration_file)'}={path}: the file is truncated "
+                f"or corrupted ({err}). Recalibrate with task=calibrate (the same command again with "
+                f"hydra.run.dir=<its run dir> continues a calibration that was interrupted){resume}") from None
         if MANIFEST_KEY not in metadata:
             raise ValueError(f"{path} is not a moe-lab calibration file (no {MANIFEST_KEY!r} metadata)")
         manifest = json.loads(metadata[MANIFEST_KEY])
@@ -126,7 +136,7 @@ class Calibration:
                 f"{FORMAT_VERSION}: recalibrate with task=calibrate"
             )
         layers: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in load_file(str(path)).items():
+        for key, tensor in tensors.items():
             _, layer, name = key.split(".", 2)
             layers.setdefault(int(layer), {})[name] = tensor
         return cls(manifest, dict(sorted(layers.items())))

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.experts import expert_intermediate_size
+from ..moe.patch import atomic_export
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
 from .calibration import Calibration
 from .grouping import GROUPINGS, clustering_distance, group_experts, rank
@@ -327,14 +328,16 @@ def export_compressed(student: nn.Module, path, tokenizer=None, state_dict: dict
     """save_pretrained (of ``state_dict`` when given) + tokenizer + the compression manifest
     (``compress_manifest.json``) of a converted or pruned model; the directory loads with vanilla
     AutoModelForCausalLM. Every tensor is written in the model's load dtype (``precision.in_load_dtype``: the
-    dtype the compressed model was built in, the source model's), and ``config.json`` says so."""
-    path = Path(path)
-    state = in_load_dtype(student, student.state_dict() if state_dict is None else state_dict)
-    student.save_pretrained(path, state_dict=state)
-    config_in_load_dtype(student, path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    info = getattr(student, "moe_lab_manifest", None)
-    if info is not None:
-        (path / MANIFEST_FILE).write_text(json.dumps(info, indent=1))
-    return path
+    dtype the compressed model was built in, the source model's), and ``config.json`` says so. Written
+    atomically (:func:`~moe_lab.moe.patch.atomic_export`): a kill never leaves weights without their manifest."""
+    def write(tmp: Path) -> None:
+        state = in_load_dtype(student, student.state_dict() if state_dict is None else state_dict)
+        student.save_pretrained(tmp, state_dict=state)
+        config_in_load_dtype(student, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        info = getattr(student, "moe_lab_manifest", None)
+        if info is not None:
+            (tmp / MANIFEST_FILE).write_text(json.dumps(info, indent=1))
+
+    return atomic_export(path, write)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -54,9 +54,13 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
                 scores: Sequence[str] = PAPER_SCORES, groupings: Sequence[str] = GROUPINGS,
                 scalings: Sequence[str] = ("uniform", "proportional"), Ks: Sequence[int] | None = None,
                 order: str = "score", lam="auto", seed: int = 0, max_length: int = 2048, stride: int = 2048,
-                batch_size: int = 8, progress: Callable[[dict], None] | None = None) -> pd.DataFrame:
+                batch_size: int = 8, progress: Callable[[dict], None] | None = None,
+                done: Mapping[tuple, dict] | None = None, stop: Callable[[], bool] | None = None) -> pd.DataFrame:
     """Pre-distillation perplexity of every (score, grouping, scaling, K) student of ``model``; one row per
-    point (``ppl``, ``nll``, ``status``, ``seconds``). ``Ks`` default: k, 2k, 4k, ... up to E."""
+    point (``ppl``, ``nll``, ``status``, ``seconds``). ``Ks`` default: k, 2k, 4k, ... up to E. ``done``: rows
+    already measured, by ``(score, grouping, scaling, str(K))``, reused as they are; ``stop()`` true after a point
+    ends the sweep there (the rows so far are returned). ``progress(point)`` for every newly measured point."""
+    done = done or {}
     calibration.check_compatible(model)
     builder = DenseBuilder(model)
     view = builder.views[0]
@@ -75,32 +79,44 @@ def dense_sweep(model: nn.Module, tokenizer, calibration: Calibration, ids: Sequ
         log.info("routed_scaling_factor=%g: uniform / proportional alphas sum to it (the routed mass)",
                  view.rule.scaling)
     rows, distances = [], {}
+    def key(score, grouping, scaling, K) -> tuple:
+        return (score, grouping, scaling, str(int(K)))
+
     for score in scores:
-        score_values = expert_scores(calibration, score, seed=seed)
+        score_values = None
         for K in Ks:
-            try:
-                selection, failed = select_experts(calibration, score, K, lam=lam, seed=seed), None
-            except (ValueError, RuntimeError, ArithmeticError) as err:
-                selection, failed = None, f"error: {err}"
-            for grouping in groupings:
-                for scaling in scalings:
-                    start = time.perf_counter()
-                    point = {"score": score, "grouping": grouping, "scaling": scaling, "K": int(K)}
-                    if failed is None:
-                        try:
-                            plans = plan(model, calibration, score=score, grouping=grouping, scaling=scaling,
-                                         K=K, order=order, lam=lam, seed=seed, selection=selection,
-                                         score_values=score_values, distances=distances)
-                            builder.write(plans)
-                            point.update(ppl_point(builder.student, tokenizer, ids, max_length, stride, batch_size))
-                        except (ValueError, RuntimeError, ArithmeticError) as err:
-                            point.update({"ppl": math.nan, "nll": math.nan, "status": f"error: {err}"})
-                    else:
-                        point.update({"ppl": math.nan, "nll": math.nan, "status": failed})
-                    point["seconds"] = time.perf_counter() - start
-                    rows.append(point)
-                    if progress is not None:
-                        progress(point)
+            selected = False  # the selection of (score, K), made once its first unfinished point needs it
+            for grouping, scaling in [(g, s) for g in groupings for s in scalings]:
+                if key(score, grouping, scaling, K) in done:
+                    rows.append(done[key(score, grouping, scaling, K)])
+                    continue
+                if score_values is None:
+                    score_values = expert_scores(calibration, score, seed=seed)
+                if not selected:
+                    selected = True
+                    try:
+                        selection, failed = select_experts(calibration, score, K, lam=lam, seed=seed), None
+                    except (ValueError, RuntimeError, ArithmeticError) as err:
+                        selection, failed = None, f"error: {err}"
+                start = time.perf_counter()
+                point = {"score": score, "grouping": grouping, "scaling": scaling, "K": int(K)}
+                if failed is None:
+                    try:
+                        plans = plan(model, calibration, score=score, grouping=grouping, scaling=scaling,
+                                     K=K, order=order, lam=lam, seed=seed, selection=selection,
+                                     score_values=score_values, distances=distances)
+                        builder.write(plans)
+                        point.update(ppl_point(builder.student, tokenizer, ids, max_length, stride, batch_size))
+                    except (ValueError, RuntimeError, ArithmeticError) as err:
+                        point.update({"ppl": math.nan, "nll": math.nan, "status": f"error: {err}"})
+                else:
+                    point.update({"ppl": math.nan, "nll": math.nan, "status": failed})
+                point["seconds"] = time.perf_counter() - start
+                rows.append(point)
+                if progress is not None:
+                    progress(point)
+                if stop is not None and stop():
+                    return pd.DataFrame(rows)
     return pd.DataFrame(rows)
 
 
@@ -244,23 +260,40 @@ def write_grid(points: pd.DataFrame, directory, title: str = "pre-distillation p
 def prune_study(model: nn.Module, tokenizer, calibration: Calibration | None, ids: Sequence[int], *,
                 strategy: str, values: Sequence[int], score: str = "es_act", always_keep=None,
                 group_balanced: bool = False, max_length: int = 2048, stride: int = 2048,
-                batch_size: int = 8) -> pd.DataFrame:
+                batch_size: int = 8, progress: Callable[[dict], None] | None = None,
+                done: Mapping[tuple, dict] | None = None, stop: Callable[[], bool] | None = None) -> pd.DataFrame:
     """Perplexity against n' (small_dense / small_moe) or k' (inference_reduce), plus the base model; one
-    pruned model per value (they differ in shape)."""
+    pruned model per value (they differ in shape). ``progress``, ``done`` (by ``(strategy, str(n_keep),
+    str(top_k))``) and ``stop``: as :func:`dense_sweep`'s."""
+    done = done or {}
     view_E, view_k = _counts(model)
-    rows = [{"strategy": "base", "n_keep": view_E, "top_k": view_k, "params": _params(model),
-             **ppl_point(model, tokenizer, ids, max_length, stride, batch_size)}]
-    for value in values:
-        n_keep, k_keep = strategy_counts(strategy, view_E, view_k, n_keep=value, k_keep=value)
-        row = {"strategy": strategy, "n_keep": n_keep, "top_k": k_keep}
-        try:
-            pruned = prune_experts(model, calibration, keep=n_keep, top_k=k_keep, score=score,
-                                   always_keep=always_keep, group_balanced=group_balanced)
-            row.update(params=_params(pruned), **ppl_point(pruned, tokenizer, ids, max_length, stride, batch_size))
-            del pruned
-        except (ValueError, RuntimeError) as err:
-            row.update(params=math.nan, ppl=math.nan, nll=math.nan, status=f"error: {err}")
+    rows = []
+    for value in [None, *values]:
+        if value is None:
+            row = {"strategy": "base", "n_keep": view_E, "top_k": view_k}
+        else:
+            n_keep, k_keep = strategy_counts(strategy, view_E, view_k, n_keep=value, k_keep=value)
+            row = {"strategy": strategy, "n_keep": n_keep, "top_k": k_keep}
+        key = (row["strategy"], str(row["n_keep"]), str(row["top_k"]))
+        if key in done:
+            rows.append(done[key])
+            continue
+        if value is None:
+            row.update(params=_params(model), **ppl_point(model, tokenizer, ids, max_length, stride, batch_size))
+        else:
+            try:
+                pruned = prune_experts(model, calibration, keep=n_keep, top_k=k_keep, score=score,
+                                       always_keep=always_keep, group_balanced=group_balanced)
+                row.update(params=_params(pruned),
+                           **ppl_point(pruned, tokenizer, ids, max_length, stride, batch_size))
+                del pruned
+            except (ValueError, RuntimeError) as err:
+                row.update(params=math.nan, ppl=math.nan, nll=math.nan, status=f"error: {err}")
         rows.append(row)
+        if progress is not None:
+            progress(row)
+        if stop is not None and stop():
+            break
     return pd.DataFrame(rows)
 
 

@@ -135,6 +135,10 @@ class SFTDataModule(ResumableDataModule):
         n_val = 0
         if self.val_fraction > 0 and len(rows) > 1:  # at least one row on each side
             n_val = min(max(round(len(rows) * self.val_fraction), 1), len(rows) - 1)
+        elif self.val_fraction > 0:
+            log.warning("dataset %s has %d row: dataset.val_fraction=%g leaves no validation row (it needs 2 rows), "
+                        "so no validation runs; add rows or set dataset.val_fraction=0", self.path, len(rows),
+                        self.val_fraction)
         val_idx = set(order[:n_val])
         self.rows = {
             "train": [r for i, r in enumerate(rows) if i not in val_idx],

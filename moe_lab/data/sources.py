@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from datasets import load_dataset, load_from_disk
 
@@ -49,6 +50,9 @@ def _builder(path: str) -> str:
 
 def row_start_lines(path: str) -> list[int]:
     """1-based line where each row of a JSON array or JSON-lines file starts (blank lines are skipped)."""
+    problem = encoding_error(path)
+    if problem is not None:
+        raise ValueError(problem)
     with open(path, encoding="utf-8") as f:
         text = f.read()
     start = len(text) - len(text.lstrip())
@@ -82,8 +86,27 @@ def _is_empty(path: str) -> bool:
     return not text or (path.endswith((".json", ".jsonl")) and text.replace(b" ", b"") in (b"[]", b"{}"))
 
 
+def encoding_error(path: str) -> str | None:
+    """``"<file>: line n, column c: ..."`` for the first bytes of ``path`` that are not UTF-8, or None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        return (f"{path}: line {line}, column {column}: bytes {data[err.start:err.end]!r} are not UTF-8 ({err.reason}); "
+                f"dataset files are read as UTF-8: convert it from its encoding, e.g. "
+                f"iconv -f latin1 -t utf-8 {path} > {path}.utf8")
+    return None
+
+
 def json_syntax_error(path: str) -> str | None:
-    """``"<file>: line n, column c: <problem>"`` for the first JSON syntax error of a JSON/JSON-lines file, or None."""
+    """``"<file>: line n, column c: <problem>"`` for the first JSON syntax error of a JSON/JSON-lines file (or its
+    first bytes that are not UTF-8), or None."""
+    problem = encoding_error(path)
+    if problem is not None:
+        return problem
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):
@@ -142,7 +165,7 @@ def open_dataset(
             try:
                 return load_dataset(_builder(path), data_files=path, split="train", streaming=streaming)
             except Exception as err:
-                problem = json_syntax_error(path) if path.endswith((".json", ".jsonl")) else None
+                problem = json_syntax_error(path) if path.endswith((".json", ".jsonl")) else encoding_error(path)
                 if problem is None:
                     raise
                 raise ValueError(problem) from err
@@ -163,7 +186,22 @@ def read_rows(
     path_or_id: str, split: str = "train", name: str | None = None, example: str = "/local/file.json"
 ) -> list[dict]:
     """All rows of ``open_dataset(path_or_id, split, name)`` as a list of dicts."""
-    return open_dataset(path_or_id, split=split, name=name, example=example).to_list()
+    with _named_encoding_errors(path_or_id):
+        return open_dataset(path_or_id, split=split, name=name, example=example).to_list()
+
+
+@contextmanager
+def _named_encoding_errors(path_or_id: str):
+    """A local file's bytes that are not UTF-8, found when its rows are read (pyarrow keeps them until then, a
+    streamed file decodes as it goes): ``ValueError`` naming the file, line and column."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        path = os.path.expanduser(path_or_id)
+        problem = encoding_error(path) if is_local(path_or_id) and os.path.isfile(path) else None
+        if problem is None:
+            raise
+        raise ValueError(problem) from err
 
 
 def stream_rows(
@@ -175,7 +213,8 @@ def stream_rows(
 ) -> Iterator[dict]:
     """Rows one at a time (``streaming=True`` reads a hub dataset without downloading all of it)."""
     ds: Iterable[dict] = open_dataset(path_or_id, split=split, name=name, streaming=streaming, example=example)
-    yield from ds
+    with _named_encoding_errors(path_or_id):
+        yield from ds
 
 
 def source_label(path_or_id: str) -> str:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_write
 from ..plain import to_plain
 from .losses import _mask, token_divergence
 
@@ -117,9 +118,10 @@ def save_run(record: dict[str, torch.Tensor], path, world_size: int, top_k: int 
 
 
 def save(record: dict[str, torch.Tensor], path, metadata: dict | None = None) -> None:
-    """Write ``record`` to a safetensors file; ``metadata`` (JSON-able) goes into the header as ``moe_lab``."""
+    """Write ``record`` to a safetensors file atomically; ``metadata`` (JSON-able) goes into the header as ``moe_lab``."""
     header = None if metadata is None else {"moe_lab": json.dumps(metadata)}
-    save_file({k: v.contiguous() for k, v in record.items()}, str(path), metadata=header)
+    tensors = {k: v.contiguous() for k, v in record.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 
 def load(path) -> dict[str, torch.Tensor]:

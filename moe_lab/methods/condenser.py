@@ -378,6 +378,9 @@ def install_condenser(
 ) -> None:
     """Install Expert Condenser routing (options as in the module docstring)."""
     _check_choice("sign", sign, SIGNS)
+    if not float(gamma) >= 0:  # NaN too
+        raise ValueError(f"method.options.gamma={gamma}: the bias step must be >= 0; the direction is "
+                         f"method.options.sign ({' | '.join(SIGNS)}), not gamma's sign")
     if bias_mode in LEGACY_BIAS_MODES:
         raise ValueError(f"condenser bias_mode={bias_mode!r} was renamed {LEGACY_BIAS_MODES[bias_mode]!r}; "
                          f"choose one of {', '.join(BIAS_MODES)}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers
@@ -232,15 +233,18 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def atomic_export(path: str | os.PathLike, write, hooks=()) -> Path:
-    """``write(tmp)``, then each of ``hooks(tmp)``, on a temporary folder beside ``path``, which replaces ``path``
-    only once all of them finished (a failure leaves ``path`` as it was and removes the temporary folder)."""
+    """``write(tmp)``, then each of ``hooks(tmp)``, on a temporary folder beside ``path``, which (fsynced, with the
+    umask's mode rather than ``mkdtemp``'s 0700) replaces ``path`` only once all of them finished (a failure leaves
+    ``path`` as it was and removes the temporary folder). The one writer of every model export."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        write(tmp)
-        for hook in hooks:
-            hook(tmp)
+        with explain_write_failure(path):
+            write(tmp)
+            for hook in hooks:
+                hook(tmp)
+            publish_tree(tmp)
         _atomic_replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

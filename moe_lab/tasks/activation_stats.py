@@ -9,7 +9,6 @@ with a line saying so."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.activation import count_selections, distribution_figure, heatmap_figure, layer_stats
 from ..analysis.report import log_images, markdown_table, write_csv
+from ..atomic import atomic_write_json
 from ..methods.registry import EXPORT_LOADERS
 
 PLAIN = "family top-k"
@@ -153,7 +153,7 @@ def activation_stats_task(cfg: DictConfig) -> dict:
                                                "tail_experts_pooled")})]
     (out / "activation.md").write_text("\n".join(text))
     summary = {f"activation/{k}/{m}": v for k, s in summaries.items() for m, v in s.items()}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     log_images(cfg, images, summary)
     print(f"==== moe-lab activation_stats: {len(counts)} runs -> {out / 'activation.md'}", flush=True)
     return summary

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..compress.calibration import calibrate
 from ..models import load_model
 
@@ -140,7 +140,7 @@ def calibrate_task(cfg: DictConfig) -> dict:
     summary = {"calibration": str(path), "model": cal.manifest["model"], "tokens": cal.manifest["tokens"],
                "num_sequences": cal.manifest["num_sequences"], "moe_layers": cal.manifest["moe_layers"],
                "data": cal.manifest["data"], "wall_time_s": round(time.time() - start, 1)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     print(f"==== moe-lab calibrate: {cal.manifest['tokens']} tokens, {len(cal.layers)} MoE layers -> {path}",
           flush=True)
     return summary

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..plain import to_plain
 from .calibrate import calibrate_task
 from .condense import condense_task
@@ -161,5 +162,5 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
         print(f"==== moe-lab cd_moe_sft ({label}): mean of {len(values)} lm-eval tasks "
               f"{sum(values) / max(len(values), 1):.2f}", flush=True)
     summary["wall_time_s"] = round(time.time() - start, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=str)
     return summary

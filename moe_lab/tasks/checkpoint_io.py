@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ..atomic import explain_write_failure, umask_mode
+
 log = logging.getLogger(__name__)
 
 
@@ -32,18 +34,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def umask_mode(mode: int = 0o666) -> int:
-    """``mode`` less the process umask: what ``open()`` gives a new file (``mkstemp`` gives 0600 whatever the
-    umask, so colleagues on a shared filesystem could not read a checkpoint)."""
-    try:  # Linux: read without changing it (os.umask would, for a moment, for every thread)
-        status = Path("/proc/self/status").read_text()
-        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
-    except (OSError, StopIteration, ValueError):
-        umask = os.umask(0)
-        os.umask(umask)
-    return mode & ~umask
 
 
 def remove_stale_temporaries(ckpt_dir: str | Path) -> None:
@@ -72,7 +62,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, umask_mode())
-            with os.fdopen(fd, "wb") as f:
+            with explain_write_failure(path), os.fdopen(fd, "wb") as f:
                 writer = _HashingWriter(f)
                 torch.save(checkpoint, writer)
                 f.flush()

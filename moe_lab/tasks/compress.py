@@ -11,8 +11,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.dense import export_compressed, to_dense
+from ..compress.point_log import PointLog
 from ..compress.prune import prune_experts, strategy_counts
 from ..compress.sweep import (
     BEST_PPL,
@@ -30,6 +32,7 @@ from ..eval.eval_sets import load_eval_set
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
+from .stop_signal import StopOnSignal
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def _lam(c):
 
 def _calibration(c, required: bool) -> Calibration | None:
     if c.calibration_file:
-        return Calibration.load(c.calibration_file)
+        return Calibration.load(c.calibration_file, field="compress.calibration_file")
     if required:
         raise ValueError("compress.calibration_file is not set: run task=calibrate first and pass "
                          "compress.calibration_file=<its run dir>/calibration.safetensors")
@@ -81,7 +84,7 @@ def compress(cfg: DictConfig) -> dict:
     if c.method == "to_dense":
         calibration = _calibration(c, required=True)
         if c.sweep:
-            summary.update(_dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out))
+            summary.update(_dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out, _study_settings(cfg, ppl_kw)))
         else:
             scaling = c.scaling
             if scaling == BEST_PPL:  # the paper's Stage 2: the candidate with the lowest pre-distillation ppl
@@ -100,9 +103,15 @@ def compress(cfg: DictConfig) -> dict:
             if not p["values"]:
                 raise ValueError("compress.sweep=true with compress=prune needs compress.prune.values=[...]")
             needs = p.strategy != "inference_reduce"
-            points = prune_study(model, tokenizer, _calibration(c, needs), ids, strategy=p.strategy,
-                                 values=list(p["values"]), score=p.score, always_keep=to_plain(p.always_keep),
-                                 group_balanced=bool(p.group_balanced), **ppl_kw)
+            log_ = PointLog(out / "prune.csv", ("strategy", "n_keep", "top_k"),
+                            _study_settings(cfg, ppl_kw, prune={k: v for k, v in to_plain(p).items() if k != "values"}))
+            with StopOnSignal("the pruning study") as stop:
+                points = prune_study(model, tokenizer, _calibration(c, needs), ids, strategy=p.strategy,
+                                     values=list(p["values"]), score=p.score, always_keep=to_plain(p.always_keep),
+                                     group_balanced=bool(p.group_balanced), progress=log_.append,
+                                     done=log_.done(), stop=stop, **ppl_kw)
+                if stop():
+                    stop.exit(_resume_hint(out, log_))
             files = write_prune_study(points, out)
             summary.update({"points": json.loads(points.to_json(orient="records")),
                             "files": {k: str(v) for k, v in files.items()}})
@@ -114,8 +123,20 @@ def compress(cfg: DictConfig) -> dict:
                                    group_balanced=bool(p.group_balanced), seed=int(c.seed))
             summary.update(_single(pruned, tokenizer, ids, ppl_kw, c, out))
     summary["wall_time_s"] = round(time.time() - start, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=str)
     return summary
+
+
+def _study_settings(cfg: DictConfig, ppl_kw: dict, **extra) -> dict:
+    """What a grid's / study's points depend on besides their own key: a re-run with other settings is refused."""
+    c = cfg.compress
+    return {"model": to_plain(cfg.model), "calibration_file": c.calibration_file, "eval": to_plain(c.eval),
+            "seed": int(c.seed), "order": c.do.order, "lambda": _lam(c), **ppl_kw, **extra}
+
+
+def _resume_hint(out: Path, points_log: PointLog) -> str:
+    return (f"{len(points_log.rows)} finished points are in {points_log.path}. Resume with: the same command and "
+            f"hydra.run.dir={out} (finished points are skipped)")
 
 
 def _single(model, tokenizer, ids, ppl_kw, c, out: Path) -> dict:
@@ -127,19 +148,26 @@ def _single(model, tokenizer, ids, ppl_kw, c, out: Path) -> dict:
     return result
 
 
-def _dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out: Path) -> dict:
+def _dense_grid(model, tokenizer, calibration, ids, c, ppl_kw, out: Path, settings: dict) -> dict:
     g = c.grid
     total = len(g.scores) * len(g.groupings) * len(g.scalings)
-    done = []
+    points_log = PointLog(out / "points.csv", ("score", "grouping", "scaling", "K"), settings)
+    if points_log.rows:
+        print(f"==== moe-lab compress: {len(points_log.rows)} points already in {points_log.path}: skipped",
+              flush=True)
 
     def progress(point: dict) -> None:
-        done.append(point)
-        log.info("sweep point %d: %s/%s/%s K=%d ppl %.4g (%s)", len(done), point["score"], point["grouping"],
-                 point["scaling"], point["K"], point["ppl"], point["status"])
+        points_log.append(point)
+        log.info("sweep point %d: %s/%s/%s K=%d ppl %.4g (%s)", len(points_log.rows), point["score"],
+                 point["grouping"], point["scaling"], point["K"], point["ppl"], point["status"])
 
-    points = dense_sweep(model, tokenizer, calibration, ids, scores=list(g.scores), groupings=list(g.groupings),
-                         scalings=list(g.scalings), Ks=None if g.K is None else [int(K) for K in g.K],
-                         order=c.do.order, lam=_lam(c), seed=int(c.seed), progress=progress, **ppl_kw)
+    with StopOnSignal("the grid") as stop:
+        points = dense_sweep(model, tokenizer, calibration, ids, scores=list(g.scores), groupings=list(g.groupings),
+                             scalings=list(g.scalings), Ks=None if g.K is None else [int(K) for K in g.K],
+                             order=c.do.order, lam=_lam(c), seed=int(c.seed), progress=progress,
+                             done=points_log.done(), stop=stop, **ppl_kw)
+        if stop():
+            stop.exit(_resume_hint(out, points_log))
     files = write_grid(points, out, title=f"{model.config.model_type} pre-distillation perplexity")
     table = grid_table(points)
     print(grid_markdown(table), flush=True)

@@ -30,6 +30,7 @@ from ..compress.condense_search import (
 )
 from ..compress.dense import export_compressed
 from ..models import load_model
+from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
 from .calibrate import calibration_sequences
@@ -99,7 +100,8 @@ def _export(model, tokenizer, c, calibration, path: Path) -> tuple[str, str]:
         else:
             vanilla.moe_lab_manifest.update(extra)
             return str(export_compressed(vanilla, path, tokenizer)), "vanilla"
-    return str(export_condensed(model, path, tokenizer, extra=extra)), "condensed"
+    written = atomic_export(path, lambda tmp: export_condensed(model, tmp, tokenizer, extra=extra))
+    return str(written), "condensed"
 
 
 def _count(model) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ..atomic import atomic_write_json
 from ..methods.condenser import STATE_FILE
 from .finetune import finetune
 
@@ -123,5 +124,5 @@ def condenser_two_phase(cfg: DictConfig) -> dict:
     if rank_zero_only.rank == 0:
         condensers = json.loads((out / "phase2" / STATE_FILE).read_text())["layers"]
         summary["condensers"] = {i: layer["forced_experts"] for i, layer in condensers.items()}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(out / "summary.json", summary, indent=2)
     return summary

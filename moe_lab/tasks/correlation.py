@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.correlation import check_same_architecture, deltas, down_correlations, signature, summarise
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
+from ..atomic import atomic_write_json
 from ..models import load_model
 
 COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
@@ -105,7 +106,7 @@ def correlation_task(cfg: DictConfig) -> dict:
     summary = {f"correlation/{r['method']}/mean": r["mean"] for r in model_rows}
     summary |= {f"correlation/{r['method']}/std": r["std"] for r in model_rows}
     summary["correlation/skipped_pairs"] = skipped
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     log_images(cfg, {"correlation/layer": png}, summary)
     print(f"==== moe-lab correlation: {len(rows)} pairs, {skipped} skipped -> {out / 'correlation.md'}", flush=True)
     return summary

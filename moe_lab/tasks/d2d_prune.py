@@ -4,12 +4,12 @@ on the calibration batches, every ``task.candidates`` architecture pruned from i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..compress.d2d import D2DTarget, best_candidate, prune_candidates, prune_dense
 from ..compress.dense import export_compressed
 from ..compress.diagnostics import write_table
@@ -56,7 +56,7 @@ def d2d_prune_task(cfg: DictConfig) -> dict:
     if cfg.task.export:
         student = prune_dense(model, plans[best["candidate"]], targets[best["candidate"]])
         summary["export"] = str(export_compressed(student, out / "export", tokenizer))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=str)
     print(f"==== moe-lab d2d_prune: chose {best['candidate']} (ppl {best['ppl']:.4g}) of {len(rows)} candidates",
           flush=True)
     return summary

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.estimate import Options, architecture_config, estimate
 from ..analysis.estimate_report import figure, write_tables
 from ..analysis.report import log_images
+from ..atomic import atomic_write_json
 from ..models import DTYPES
 
 
@@ -41,7 +42,7 @@ def estimate_task(cfg: DictConfig) -> dict:
     summary = {"params_total": result["params_total"], "params_active": result["params_active"],
                "densemixer_ratio_to_sft": result["methods"]["densemixer"]["ratio_to_sft"],
                "wall_time_s": round(time.time() - start, 2), "peak_rss_mib": round(peak_mib, 1)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     log_images(cfg, {"estimate/costs": png}, summary)
     print(f"==== moe-lab estimate: {title}: total {result['params_total']:,}, active {result['params_active']:,}; "
           f"{summary['wall_time_s']} s, peak RSS {peak_mib:.0f} MiB -> {out / 'estimate.md'}", flush=True)

@@ -22,6 +22,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ..atomic import atomic_write_json
+from ..compress.export_check import check_export
 from ..data.prompts import build_prompt
 from ..eval.choices import choice_item, get_format
 from ..eval.eval_sets import (
@@ -32,11 +34,12 @@ from ..eval.eval_sets import (
     resolve,
     row_ids,
 )
+from ..eval.fingerprint import model_fingerprint
 from ..eval.results import ResultsTable
 from ..eval.score import format_summary, score_choice_records, score_predictions
 from ..methods.registry import install_exported_routing
 from ..models import load_model
-from ..plain import to_plain
+from ..plain import flatten, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ def load_for_eval(cfg: DictConfig):
             if not (path / "config.json").is_file():
                 raise ValueError(f"task.checkpoint={ckpt} has no config.json: not a model directory "
                                  "(AutoModelForCausalLM.from_pretrained must load it)")
+            check_export(path, "task.checkpoint")
             run = _run_config(path.parent)
             has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
             try:  # the run's method decides whether a dense export (method=kd, task=moe_to_dense) loads
@@ -115,17 +119,6 @@ def _load_lightning_checkpoint(path: Path, model_cfg: dict):
 # Predictions written incrementally, resumed by id
 
 
-def _flatten(settings: dict, prefix: str = "") -> dict:
-    """``{"generation": {"max_new_tokens": 8}}`` -> ``{"generation.max_new_tokens": 8}``."""
-    flat = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 class PredictionStore:
     """``predictions/<set><suffix>.jsonl`` written a batch at a time, with the settings that made it in a
     ``.meta.json`` beside it; a re-run resumes from the ids already there."""
@@ -136,16 +129,18 @@ class PredictionStore:
         self.meta = directory / f"{name}.meta.json"
         self.settings = json.loads(json.dumps(settings))  # plain JSON types, comparable with the file
         if self.meta.is_file() and self.path.is_file():
-            before, now = _flatten(json.loads(self.meta.read_text())), _flatten(self.settings)
+            before, now = flatten(json.loads(self.meta.read_text())), flatten(self.settings)
             changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             if changed:
                 detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+                what = ("with another model (its weights changed since: the fingerprint differs; see "
+                        "moe_lab.eval.fingerprint)" if "weights" in changed else "with other settings")
                 raise ValueError(
-                    f"{self.path} was written with other settings ({detail}). Evaluate into a new output "
+                    f"{self.path} was written {what} ({detail}). Evaluate into a new output "
                     "directory (hydra.run.dir=...) or delete that file to start it over."
                 )
         else:
-            self.meta.write_text(json.dumps(self.settings, indent=2))
+            atomic_write_json(self.meta, self.settings)
 
     def load(self) -> dict[str, dict]:
         """Records by ``str(id)``; a last line cut short by a crash is dropped (and removed from the file)."""
@@ -270,7 +265,7 @@ def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settin
                "nll": float(result["nll"]), "tokens": int(result["tokens"]), "max_length": max_length,
                "stride": stride, "complete": ev.get("limit") is None, "bad_gold": []}
     pred_dir.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"settings": settings, "summary": summary}, indent=2))
+    atomic_write_json(cache, {"settings": settings, "summary": summary})
     return summary
 
 
@@ -339,7 +334,8 @@ def evaluate(cfg: DictConfig) -> dict:
     model, tokenizer, key = load_for_eval(cfg)
     model.to(ev.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     settings = {"checkpoint": None if cfg.task.get("checkpoint") is None else str(cfg.task.checkpoint),
-                "model": key[0], "method": key[1]}
+                "model": key[0], "method": key[1],
+                "weights": model_fingerprint(cfg.task.get("checkpoint"), to_plain(cfg.model))}
     table = ResultsTable()
     results: dict[str, dict] = {}
     for spec, data in loaded:
@@ -433,7 +429,7 @@ def _write_outputs(cfg, out: Path, table: ResultsTable, results, skipped, key, w
         "datasets": results, "skipped": skipped, "columns": table.columns, "table": table.to_json(),
         "wall_time_s": round(wall, 1),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    atomic_write_json(out / "summary.json", summary, indent=2, ensure_ascii=False)
     loggers = [instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
     with warnings.catch_warnings():  # the CSV logger shares the run directory with our outputs on purpose
         warnings.filterwarnings("ignore", message="Experiment logs directory")

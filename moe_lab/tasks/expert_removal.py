@@ -19,10 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.meta_costs import count_parameters
 from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper_table
 from ..analysis.report import log_images, markdown_table, write_csv
+from ..atomic import atomic_write_json
 from ..methods.registry import EXPORT_LOADERS
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from .evaluate import evaluate
+from .stop_signal import StopOnSignal
 
 SCORES = ("es_act", "es_mag")
 
@@ -82,10 +84,29 @@ def _row(p: dict, model, metrics: dict) -> dict:
             "mean": 100 * metrics["eval/avg"] if "eval/avg" in metrics else float("nan"), **accs}
 
 
+def _removal_point(cfg: DictConfig, p: dict, model, cal, tokenizer, point_dir: Path) -> dict:
+    """Prune ``model`` to point ``p``, export it into ``point_dir`` and evaluate it; its row."""
+    from ..compress.prune import prune_experts
+
+    t = cfg.task
+    point_dir.mkdir(parents=True, exist_ok=True)
+    pruned = prune_experts(model, cal, keep=p["n"], top_k=p["k"], score=p["score"] or "es_act",
+                           always_keep=t.get("always_keep"), group_balanced=bool(t.group_balanced))
+    export = point_dir / "export"
+    pruned.save_pretrained(export)
+    _save_tokenizer(tokenizer, export)
+    atomic_write_json(point_dir / "manifest.json", pruned.moe_lab_manifest)
+    row = _row(p, pruned, _evaluate_export(cfg, export, point_dir, _name(p)))
+    del pruned
+    gc.collect()
+    if not t.keep_exports:
+        shutil.rmtree(export)
+    return row
+
+
 def expert_removal_task(cfg: DictConfig) -> dict:
     """Write removal_points.csv, removal.md (paper layout + fits), removal.png; one sub-directory per point."""
     from ..compress.calibration import Calibration
-    from ..compress.prune import prune_experts
 
     out = Path(cfg.paths.output_dir)
     t = cfg.task
@@ -116,21 +137,14 @@ def expert_removal_task(cfg: DictConfig) -> dict:
                      _evaluate_export(cfg, export, base_dir, "base")))
     if not t.keep_exports:
         shutil.rmtree(export)
-    for p in points:
-        point_dir = out / "points" / _name(p)
-        point_dir.mkdir(parents=True, exist_ok=True)
-        pruned = prune_experts(model, cal, keep=p["n"], top_k=p["k"], score=p["score"] or "es_act",
-                               always_keep=t.get("always_keep"), group_balanced=bool(t.group_balanced))
-        export = point_dir / "export"
-        pruned.save_pretrained(export)
-        _save_tokenizer(tokenizer, export)
-        (point_dir / "manifest.json").write_text(json.dumps(pruned.moe_lab_manifest, indent=2))
-        rows.append(_row(p, pruned, _evaluate_export(cfg, export, point_dir, _name(p))))
-        del pruned
-        gc.collect()
-        if not t.keep_exports:
-            shutil.rmtree(export)
+    with StopOnSignal("the expert-removal study") as stop:
+        for p in points:
+            if stop():  # after the point in hand; each finished point's predictions are reused by a re-run
+                stop.exit(f"{len(rows)} of {len(points) + 1} points finished (their predictions are under "
+                          f"{out / 'points'}). Resume with: the same command and hydra.run.dir={out}")
+            rows.append(_removal_point(cfg, p, model, cal, tokenizer, out / "points" / _name(p)))
     df = pd.DataFrame(rows)
+
     write_csv(df.to_dict("records"), out / "removal_points.csv")
     base = df[df.strategy == "base"].iloc[0]
     fits = {}

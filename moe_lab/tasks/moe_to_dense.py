@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..atomic import atomic_write_json
 from ..compress.dense import export_compressed
 from ..compress.sweep import ppl_point
 from ..models import load_model
@@ -131,7 +132,7 @@ def moe_to_dense(cfg: DictConfig) -> dict:
         summary["post_distill"] = {"ppl": point["ppl"], "status": point["status"]}
     summary["plots"] = _plot_kl(out / "distill" / "metrics.csv", out / "plots" / "kd_kl.png")
     summary["wall_time_s"] = round(time.time() - start, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "summary.json", summary, indent=2, default=str)
     pre, post = summary["pre_distill"]["ppl"], summary.get("post_distill", {}).get("ppl")
     print(f"==== moe-lab moe_to_dense: ppl {pre:.4g} ({summary['pre_distill']['student']}) -> {post} (distilled); "
           f"KL plot {summary['plots']}", flush=True)

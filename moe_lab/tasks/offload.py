@@ -3,7 +3,6 @@ routing logs (callbacks=routing_log), in the layout of the Condenser paper's Tab
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from ..analysis.estimate import architecture_config
 from ..analysis.meta_costs import count_parameters, meta_model, quiet_init
 from ..analysis.offload import all_experts, fetches, needed
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
+from ..atomic import atomic_write_json
 from ..callbacks.routing_log import model_signature, read_routing_log
 
 PACKED_NOTE = ("transformers v5 packs each layer's experts into one tensor: ZeRO-3 (a leaf module) gathers the whole "
@@ -113,7 +113,7 @@ def offload_task(cfg: DictConfig) -> dict:
     ax.spines[["top", "right"]].set_visible(False)
     png = save_figure(fig, out / "offload.png")
     summary = {f"offload/{r['method']}/{r['granularity']}/seconds_per_step": r["seconds_per_step"] for r in table}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     log_images(cfg, {"offload/bytes_per_step": png}, summary)
     print(f"==== moe-lab offload: {len(runs)} runs -> {out / 'offload.md'}", flush=True)
     return summary

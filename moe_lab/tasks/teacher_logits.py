@@ -16,7 +16,6 @@ count and checksum) and prints the ``method.options.teacher_logits=<file>`` over
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from ..atomic import atomic_write_json
 from ..data.tokenizer import load_tokenizer
 from ..distill.teacher import load_teacher
 from ..distill.teacher_logits import record_run, save_run
@@ -168,7 +168,7 @@ def teacher_logits_task(cfg: DictConfig) -> dict:
                "batches": counts["train"][0], "tokens": counts["train"][1],
                "val_batches": counts["val"][0], "val_tokens": counts["val"][1],
                "override": f"method.options.teacher_logits={path}"}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "summary.json", summary, indent=2)
     val = (f"{counts['val'][0]} validation batches per rank" if counts["val"][0] else
            "no validation batches (the run's KD validation will be skipped)")
     print(f"==== moe-lab teacher_logits: {world} data-parallel rank(s) x {counts['train'][0]} train batches "
