@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import re
 import shutil
 import uuid
@@ -224,7 +225,22 @@ def run_record(cfg: DictConfig, world_size: int) -> dict:
         record[f"task.trainer.{key}"] = trainer.get(key)
     record["seed"] = cfg.get("seed")
     record[WORLD_SIZE] = int(world_size)
-    return {k: v for k, v in record.items() if not k.startswith(LOADING_ONLY)}
+    out = OmegaConf.select(cfg, "paths.output_dir")
+    return {k: _portable(v, out) for k, v in record.items() if not k.startswith(LOADING_ONLY)}
+
+
+def _portable(value, output_dir):
+    """A path inside the run (under the output directory's parent: a chained task's stages and their siblings) as
+    ``<run>/...`` relative to the output directory, so a run directory that was moved or copied resumes as the
+    same run; every other value unchanged."""
+    if not (isinstance(value, str) and output_dir and os.path.isabs(value)):
+        return value
+    root = Path(str(output_dir)).parent
+    try:
+        Path(value).relative_to(root)
+    except ValueError:
+        return value
+    return "<run>/" + os.path.relpath(value, str(output_dir))
 
 
 def _recorded(ckpt: dict, path: Path) -> dict | None:
