@@ -12,9 +12,23 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MOE_LAB_DATA_DIR", ROOT.parent / "shared" / "data" / "llm_adapters"))
+# the core families: every test parametrised over families runs them by default
 FAMILIES = [
     "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "phimoe",
 ]
+
+
+def _added_families() -> list[str]:
+    from moe_lab.moe.registry import supported_families
+
+    return [f for f in supported_families() if f not in FAMILIES]
+
+
+# every other registry family: the conformance suite (tests/moe) runs them by default, the method x family
+# tests only under `-m slow` (suite time: each family multiplies every parametrised test)
+ADDED_FAMILIES = _added_families()
+ALL_FAMILIES = FAMILIES + ADDED_FAMILIES
+FAMILY_PARAMS = [*FAMILIES, *(pytest.param(f, marks=pytest.mark.slow) for f in ADDED_FAMILIES)]
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -77,6 +91,6 @@ def word_text(path, lines: int, words_per_line: int = 40, seed: int = 0, vocab: 
     return path
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=FAMILY_PARAMS)
 def family(request):
     return request.param

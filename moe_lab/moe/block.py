@@ -157,6 +157,8 @@ class MoEBlock(nn.Module):
         x = self._jitter(hidden_states).reshape(-1, hidden)
         shared = getattr(self, spec.shared_attr)(x) if spec.shared_first else None
         logits, weights, indices = getattr(self, spec.router_attr)(x)
+        if self.view.obj.rule.weights_in_input_dtype:
+            weights = weights.to(x.dtype)
         self._count(indices, batch, seq)
         if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():

@@ -6,6 +6,7 @@ it (:mod:`moe_lab.moe.view`). Adding a family = one entry here + one tiny config
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,6 +142,18 @@ def _gpt_oss_rule(config) -> RoutingRule:
     )
 
 
+def _granite_rule(config) -> RoutingRule:
+    return RoutingRule(
+        score="identity",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        softmax_over_topk=True,
+        logits_upcast=True,
+        weights_in_logits_dtype=False,
+        weights_in_input_dtype=True,
+    )
+
+
 def _phimoe_rule(config) -> RoutingRule:
     return RoutingRule(
         score="sparsemixer",
@@ -151,7 +164,7 @@ def _phimoe_rule(config) -> RoutingRule:
     )
 
 
-FAMILIES: dict[str, FamilySpec] = {
+_CORE: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (
         FamilySpec(
@@ -218,6 +231,64 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
     )
 }
+
+
+
+def _like(base: str, model_type: str, block_class: str, **changes) -> FamilySpec:
+    """A family whose MoE block, router and experts are HF's ``base`` family's code under other class names
+    (``moe_lab.families`` checks that by source); ``changes``: the registry fields that differ."""
+    changes.setdefault("dense_target", None)
+    changes.setdefault("real_checkpoints", ())
+    return dataclasses.replace(_CORE[base], model_type=model_type, block_class=block_class, **changes)
+
+
+_V3_NOTE = "DeepSeek-V3 routing (sigmoid, correction bias, group-limited top-2-sum, routed scaling); "
+_ADDED: tuple[FamilySpec, ...] = (
+    _like("qwen2_moe", "qwen3_next", "Qwen3NextSparseMoeBlock",
+          notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet / full-attention hybrid",
+          real_checkpoints=("Qwen/Qwen3-Next-80B-A3B-Instruct",)),
+    _like("qwen2_moe", "qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock",
+          routing_rule=functools.partial(_softmax_rule, renormalize=True),
+          notes="Qwen2-MoE block, top-k always renormalised (no norm_topk_prob); gated-DeltaNet hybrid"),
+    _like("qwen2_moe", "qwen4_exp_text", "Qwen4ExpTextSparseMoeBlock",
+          notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet hybrid"),
+    _like("qwen3_moe", "mellum", "MellumSparseMoeBlock", notes="Qwen3-MoE block"),
+    _like("olmoe", "flex_olmo", "FlexOlmoSparseMoeBlock", notes="OLMoE block",
+          real_checkpoints=("allenai/FlexOlmo-7x7B-1T",)),
+    _like("mixtral", "minimax", "MiniMaxSparseMoeBlock", notes="Mixtral block in a lightning-attention hybrid",
+          real_checkpoints=("MiniMaxAI/MiniMax-Text-01",)),
+    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "sparse (indexer) attention",
+          real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
+    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
+    _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
+    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "MLA attention"),
+    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", notes=_V3_NOTE + "sparse (indexer) attention"),
+    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", notes=_V3_NOTE + "GLM-4-MoE modeling code"),
+    _like("deepseek_v3", "solar_open", "SolarOpenMoE", notes=_V3_NOTE),
+    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "KDA linear-attention hybrid",
+          real_checkpoints=("moonshotai/Kimi-Linear-48B-A3B-Instruct",)),
+    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "sliding-window hybrid"),
+    _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None,
+          notes=_V3_NOTE + "no shared expert; sliding-window hybrid"),
+    _like("mixtral", "jamba", "JambaSparseMoeBlock", router_attr="router", jitter_field=None,
+          routing_rule=functools.partial(_softmax_rule, renormalize=False),
+          notes="softmax top-k, not renormalised; Mamba + attention hybrid, MoE every expert_layer_period layers"),
+    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", notes=_V3_NOTE + "linear-attention hybrid"),
+)
+_ADDED_OWN: tuple[FamilySpec, ...] = tuple(
+    FamilySpec(
+        model_type, "GraniteMoeMoE" if model_type == "granitemoe" else f"{prefix}MoE", "router", _granite_rule,
+        notes="top-k on the (fp32-cast) logits, softmax over the top-k, weights in the input dtype" + extra,
+    )
+    for model_type, prefix, extra in (
+        ("granitemoe", "GraniteMoe", ""),
+        ("granitemoeshared", "GraniteMoeShared", "; shared MLP in the decoder layer, outside the MoE block"),
+        ("granitemoe_swa", "GraniteMoeSWA", "; sliding-window attention layers"),
+        ("granitemoehybrid", "GraniteMoeHybrid", "; Mamba-2 hybrid; shared MLP outside the MoE block"),
+    )
+)
+FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 
 
 def supported_families() -> list[str]:

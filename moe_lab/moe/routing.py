@@ -31,6 +31,9 @@ class RoutingRule:
     the masked probabilities; DeepSeek-V3 from the unmasked scores).
     uses_correction_bias: add the router's ``e_score_correction_bias`` for selection only.
     weights_in_logits_dtype: cast the weights back to the logits dtype (else they stay fp32).
+    logits_upcast: router matmul in the input dtype, then the logits cast to fp32 (Granite-MoE).
+    weights_in_input_dtype: the block casts the weights to its input dtype (Granite-MoE, ERNIE, Jamba).
+    renorm_min: the top-k sum is clamped below at this value before dividing (ERNIE 4.5's moe_norm_min).
     """
 
     score: str
@@ -50,6 +53,9 @@ class RoutingRule:
     weights_in_logits_dtype: bool = True
     sorted_topk: bool = True
     jitter_eps: float = 0.0
+    logits_upcast: bool = False
+    weights_in_input_dtype: bool = False
+    renorm_min: float | None = None
 
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
@@ -84,7 +90,8 @@ def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias
     """Router logits [N, E] for flattened tokens ``x`` [N, H]."""
     if rule.logits_fp32:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return F.linear(x, weight, bias)
+    logits = F.linear(x, weight, bias)
+    return logits.float() if rule.logits_upcast else logits
 
 
 def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
@@ -197,6 +204,8 @@ def select_topk(
         weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
     if rule.renormalize:
         denominator = weights.sum(dim=-1, keepdim=True)
+        if rule.renorm_min is not None:
+            denominator = torch.clamp(denominator, min=rule.renorm_min)
         if rule.renorm_eps:
             denominator = denominator + rule.renorm_eps
         weights = weights / denominator
