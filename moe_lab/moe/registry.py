@@ -154,6 +154,19 @@ def _granite_rule(config) -> RoutingRule:
     )
 
 
+def _fp32_rule(score: str, config) -> RoutingRule:
+    """fp32 router matmul, ``score`` (softmax | sigmoid) top-k, optionally renormalised, weights left fp32 or cast
+    to the input dtype by the block (FlintTopKRouter / LaraMiniTopKRouter)."""
+    return RoutingRule(
+        score=score,
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        logits_fp32=True,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_input_dtype=score == "softmax",
+    )
+
+
 def _phimoe_rule(config) -> RoutingRule:
     return RoutingRule(
         score="sparsemixer",
@@ -268,6 +281,7 @@ _ADDED: tuple[FamilySpec, ...] = (
     _like("deepseek_v3", "solar_open", "SolarOpenMoE", notes=_V3_NOTE),
     _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "KDA linear-attention hybrid",
           real_checkpoints=("moonshotai/Kimi-Linear-48B-A3B-Instruct",)),
+    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", notes=_V3_NOTE + "indexed / sliding attention"),
     _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "sliding-window hybrid"),
     _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None,
           notes=_V3_NOTE + "no shared expert; sliding-window hybrid"),
@@ -287,6 +301,15 @@ _ADDED_OWN: tuple[FamilySpec, ...] = tuple(
         ("granitemoe_swa", "GraniteMoeSWA", "; sliding-window attention layers"),
         ("granitemoehybrid", "GraniteMoeHybrid", "; Mamba-2 hybrid; shared MLP outside the MoE block"),
     )
+)
+_ADDED_OWN += (
+    FamilySpec("flint", "FlintSparseMoeBlock", "gate", functools.partial(_fp32_rule, "sigmoid"),
+               shared_attr="shared_expert",
+               notes="fp32 sigmoid top-k (renormalised), ungated shared expert; sliding-window hybrid"),
+    FamilySpec("lara_mini", "LaraMiniSparseMoeBlock", "gate", functools.partial(_fp32_rule, "softmax"),
+               shared_attr="shared_expert",
+               notes="fp32 softmax top-k, weights in the input dtype, ungated shared expert; gated-DeltaNet / "
+               "sliding / full hybrid"),
 )
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 
