@@ -51,6 +51,7 @@ from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
 from ..moe.stats import in_backward_pass
+from ..moe.support import refuse_undefined
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,7 @@ def install_condenser(
     _check_choice("select", select, SELECT_RULES)
     if not isinstance(warmup_trains_weights, bool):
         raise TypeError(f"condenser warmup_trains_weights={warmup_trains_weights!r}: choose true or false")
-    if patch.views[0].rule.score == "sparsemixer":
-        raise ValueError("condenser is not defined for sparsemixer routing (phimoe): use another family")
+    refuse_undefined("condenser", patch.spec, patch.views[0].rule)
     k, num_experts = patch.layers[0].top_k, patch.layers[0].num_experts
     if not 0 <= n <= (k if budget == "replace" else num_experts - k):
         raise ValueError(f"n={n} condensers do not fit budget={budget!r} with top_k={k} and {num_experts} "

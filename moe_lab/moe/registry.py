@@ -255,7 +255,7 @@ def _like(base: str, model_type: str, block_class: str, **changes) -> FamilySpec
     return dataclasses.replace(_CORE[base], model_type=model_type, block_class=block_class, **changes)
 
 
-_V3_NOTE = "DeepSeek-V3 routing (sigmoid, correction bias, group-limited top-2-sum, routed scaling); "
+_V3_NOTE = "DeepSeek-V3 routing (sigmoid, correction bias, group-limited top-2-sum, routed scaling)"
 _ADDED: tuple[FamilySpec, ...] = (
     _like("qwen2_moe", "qwen3_next", "Qwen3NextSparseMoeBlock",
           notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet / full-attention hybrid",
@@ -270,25 +270,25 @@ _ADDED: tuple[FamilySpec, ...] = (
           real_checkpoints=("allenai/FlexOlmo-7x7B-1T",)),
     _like("mixtral", "minimax", "MiniMaxSparseMoeBlock", notes="Mixtral block in a lightning-attention hybrid",
           real_checkpoints=("MiniMaxAI/MiniMax-Text-01",)),
-    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "sparse (indexer) attention",
+    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
-    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
     _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
     _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
-    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "MLA attention"),
-    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", notes=_V3_NOTE + "sparse (indexer) attention"),
-    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", notes=_V3_NOTE + "GLM-4-MoE modeling code"),
+    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "; MLA attention"),
+    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", notes=_V3_NOTE + "; sparse (indexer) attention"),
+    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", notes=_V3_NOTE + "; GLM-4-MoE modeling code"),
     _like("deepseek_v3", "solar_open", "SolarOpenMoE", notes=_V3_NOTE),
-    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "KDA linear-attention hybrid",
+    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "; KDA linear-attention hybrid",
           real_checkpoints=("moonshotai/Kimi-Linear-48B-A3B-Instruct",)),
-    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", notes=_V3_NOTE + "indexed / sliding attention"),
-    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "sliding-window hybrid"),
+    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", notes=_V3_NOTE + "; indexed attention"),
+    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "; sliding-window hybrid"),
     _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None,
-          notes=_V3_NOTE + "no shared expert; sliding-window hybrid"),
+          notes=_V3_NOTE + "; no shared expert; sliding-window hybrid"),
     _like("mixtral", "jamba", "JambaSparseMoeBlock", router_attr="router", jitter_field=None,
           routing_rule=functools.partial(_softmax_rule, renormalize=False),
           notes="softmax top-k, not renormalised; Mamba + attention hybrid, MoE every expert_layer_period layers"),
-    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", notes=_V3_NOTE + "linear-attention hybrid"),
+    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", notes=_V3_NOTE + "; linear-attention hybrid"),
 )
 _ADDED_OWN: tuple[FamilySpec, ...] = tuple(
     FamilySpec(
