@@ -21,18 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README_BEGIN, README_END = "<!-- families:begin -->", "<!-- families:end -->"
 
 _COMPOSITE = "composite multimodal config: its text decoder is model_type {}"
-_BLOCK_BIAS = ("its selection bias ({}) is a buffer of the MoE block passed into the router; the uniform view reads "
-               "selection biases from the router")
 # model_type -> why moe-lab has no registry entry for it (what the uniform view cannot express yet)
 REFUSED: dict[str, str] = {
-    "afmoe": _BLOCK_BIAS.format("expert_bias"),
-    "minimax_m2": _BLOCK_BIAS.format("e_score_correction_bias"),
-    "lfm2_moe": _BLOCK_BIAS.format("expert_bias") + "; sigmoid logits in the input dtype",
-    "hy_v3": _BLOCK_BIAS.format("e_score_correction_bias") + "; an optional fp32 combine of routed + shared",
-    "ernie4_5_moe": "its correction bias is a [1, E] parameter of router.moe_statics (per-expert tensors are "
-                    "sliced on dim 0 and looked up as the router's e_score_correction_bias [E])",
-    "hunyuan_v1_moe": "the router weight sits in a wrapper Linear (gate.wg, fp32) and num_experts / moe_topk may "
-                      "be per-layer lists",
     "aria_text": "experts are packed [E, H, 2I] and applied as x @ W without biases: a third expert layout",
     "llama4_text": "top-1 sigmoid router whose score scales the expert input (not its output); experts packed "
                    "[E, H, 2I] for bmm over all experts",

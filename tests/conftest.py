@@ -59,7 +59,7 @@ def build_tiny(family: str, seed: int = 0, **config_overrides):
                 continue
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
         for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection-only biases
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
     return model
 

@@ -98,7 +98,7 @@ class CondenserRouting(ConventionalRouting):
         forced = block.forced_experts
         top_k = self.rule.top_k + (len(forced) if self.budget == "append" else 0)
         weights, indices = select_topk(
-            self.rule, logits, router.training, getattr(router, "e_score_correction_bias", None),
+            self.rule, logits, router.training, self.view.correction_bias,
             selection_bias=None if self.inside else bias, bias_space=self.bias_space or "logits",
             forced=block.forced_expert_ids if forced else None, top_k=top_k,
         )

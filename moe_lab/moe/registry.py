@@ -61,6 +61,7 @@ class FamilySpec:
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
+    shared_after_router: bool = False  # HF runs the shared expert between the router and the routed experts (AFMoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
     # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
@@ -73,6 +74,11 @@ class FamilySpec:
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
     dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
     vanilla_top_k: int | None = None  # HF's block always routes this many experts, whatever num_experts_per_tok
+    # selection-only bias, path relative to the block, where it is not the router's e_score_correction_bias: a block
+    # buffer passed to the router (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE) or ERNIE's [1, E] gate.moe_statics parameter
+    correction_bias_attr: str | None = None
+    router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
+    fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -165,6 +171,48 @@ def _fp32_rule(score: str, config) -> RoutingRule:
         renormalize=bool(config.norm_topk_prob),
         weights_in_input_dtype=score == "softmax",
     )
+
+
+def _block_bias_rule(config, **fields) -> RoutingRule:
+    """Sigmoid top-k with a selection-only bias held by the block (registry ``correction_bias_attr``)."""
+    return RoutingRule(score="sigmoid", top_k=config.num_experts_per_tok, num_experts=_num_experts(config), **fields)
+
+
+def _minimax_m2_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, scores_fp32=True, uses_correction_bias=True, renormalize=True, sorted_topk=False,
+                            weights_in_logits_dtype=False)
+
+
+def _lfm2_moe_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, uses_correction_bias=bool(config.use_expert_bias),
+                            renormalize=bool(config.norm_topk_prob), renorm_eps=1e-6,
+                            scaling=float(config.routed_scaling_factor))
+
+
+def _hy_v3_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.router_scaling_factor), sorted_topk=False,
+                            weights_in_logits_dtype=False)
+
+
+def _afmoe_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_upcast=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.route_scale), weights_in_logits_dtype=False)
+
+
+def _hunyuan_rule(config) -> RoutingRule:
+    per_layer = [name for name in ("num_experts", "moe_topk") if isinstance(getattr(config, name), list)]
+    if per_layer:
+        raise ValueError(f"per-layer {' / '.join(per_layer)} lists are not supported: give one int each")
+    return RoutingRule(score="softmax", top_k=config.moe_topk, num_experts=config.num_experts, renormalize=True,
+                       logits_in_weight_dtype=True)
+
+
+def _ernie_rule(config) -> RoutingRule:
+    return RoutingRule(score="softmax", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                       logits_fp32=True, uses_correction_bias=True, renormalize=True,
+                       renorm_min=float(config.moe_norm_min), weights_in_logits_dtype=False,
+                       weights_in_input_dtype=True)
 
 
 def _phimoe_rule(config) -> RoutingRule:
@@ -310,6 +358,37 @@ _ADDED_OWN += (
                shared_attr="shared_expert",
                notes="fp32 softmax top-k, weights in the input dtype, ungated shared expert; gated-DeltaNet / "
                "sliding / full hybrid"),
+)
+_ADDED_OWN += (
+    FamilySpec("minimax_m2", "MiniMaxM2SparseMoeBlock", "gate", _minimax_m2_rule,
+               correction_bias_attr="e_score_correction_bias", jitter_field="router_jitter_noise",
+               notes="sigmoid of the fp32-cast logits, selection bias held by the block, renormalised top-k"),
+    FamilySpec("lfm2_moe", "Lfm2MoeSparseMoeBlock", "gate", _lfm2_moe_rule, correction_bias_attr="expert_bias",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="sigmoid top-k in the input dtype, optional selection bias held by the block (use_expert_bias), "
+               "routed scaling; HF computes no aux loss (as DeepSeek-V3: native coefficient 0); short-conv hybrid"),
+    FamilySpec("hy_v3", "HYV3MoE", "gate", _hy_v3_rule, shared_attr="shared_experts",
+               correction_bias_attr="e_score_correction_bias", fp32_combine_field="enable_moe_fp32_combine",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="fp32 sigmoid top-k, selection bias held by the block, routed scaling, shared expert summed in "
+               "fp32 (enable_moe_fp32_combine); HF computes no aux loss (native coefficient 0)"),
+)
+_ADDED_OWN += (
+    FamilySpec("afmoe", "AfmoeSparseMoeBlock", "router", _afmoe_rule, router_weight_attr="gate.weight",
+               shared_attr="shared_experts", shared_after_router=True, correction_bias_attr="expert_bias",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="sigmoid top-k of the fp32-cast logits, selection bias held by the block, route_scale, shared "
+               "experts; router weight in a wrapped Linear; HF computes no aux loss (native coefficient 0)"),
+    FamilySpec("hunyuan_v1_moe", "HunYuanMoEV1Moe", "gate", _hunyuan_rule, router_weight_attr="wg.weight",
+               shared_attr="shared_mlp", shared_first=True, aux_loss="switch", aux_loss_field=None,
+               notes="softmax top-k renormalised, router weight in a wrapped Linear (gate.wg; fp32 when kept so), "
+               "shared MLP; HF computes no aux loss (native 0; an explicit coefficient adds the Switch loss)"),
+)
+_ADDED_OWN += (
+    FamilySpec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "gate", _ernie_rule, shared_attr="shared_experts",
+               shared_first=True, correction_bias_attr="gate.moe_statics.e_score_correction_bias",
+               notes="fp32 softmax top-k selected with a [1, E] correction bias, renormalised (moe_norm_min), weights "
+               "in the input dtype; shared experts (moe_num_shared_experts)"),
 )
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 

@@ -34,6 +34,9 @@ class RoutingRule:
     logits_upcast: router matmul in the input dtype, then the logits cast to fp32 (Granite-MoE).
     weights_in_input_dtype: the block casts the weights to its input dtype (Granite-MoE, ERNIE, Jamba).
     renorm_min: the top-k sum is clamped below at this value before dividing (ERNIE 4.5's moe_norm_min).
+    scores_fp32: sigmoid scores of the fp32-cast logits, the logits themselves left in their dtype (MiniMax-M2).
+    logits_in_weight_dtype: the tokens are cast to the router weight's dtype before the matmul (MiniMax-M2,
+    Hunyuan: an fp32-kept router weight gives fp32 logits).
     """
 
     score: str
@@ -56,6 +59,8 @@ class RoutingRule:
     logits_upcast: bool = False
     weights_in_input_dtype: bool = False
     renorm_min: float | None = None
+    scores_fp32: bool = False
+    logits_in_weight_dtype: bool = False
 
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
@@ -90,7 +95,7 @@ def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias
     """Router logits [N, E] for flattened tokens ``x`` [N, H]."""
     if rule.logits_fp32:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    logits = F.linear(x, weight, bias)
+    logits = F.linear(x.to(weight.dtype) if rule.logits_in_weight_dtype else x, weight, bias)
     return logits.float() if rule.logits_upcast else logits
 
 
@@ -99,7 +104,7 @@ def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
     if rule.score == "softmax":
         return torch.softmax(logits, dim=-1, dtype=torch.float32)
     if rule.score == "sigmoid":
-        return logits.sigmoid()
+        return (logits.float() if rule.scores_fp32 else logits).sigmoid()
     if rule.score == "identity":
         return logits
     # sparsemixer's dense scores are the softmax over all experts

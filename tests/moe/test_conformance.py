@@ -94,10 +94,11 @@ def test_forward_and_gradients_equal_vanilla(family, overrides, dtype):
         if p.grad is not None:
             _assert_equal(p.grad, q.grad, name)
     # every MoE parameter trains (HF leaves only non-differentiable parts without gradients, e.g. the top-k
-    # token selection of DeepSeek-V3.2's sparse-attention indexer)
-    moe = [p for view in patch.views for p in (*view.router.parameters(), *view.experts.parameters())]
+    # token selection of DeepSeek-V3.2's sparse-attention indexer, and frozen selection biases)
+    moe = [p for view in patch.views for p in (*view.router.parameters(), *view.experts.parameters())
+           if p.requires_grad]
     assert moe and all(p.grad is not None for p in moe)
-    ungraded = [n for n, p in ours.named_parameters() if p.grad is None]
+    ungraded = [n for n, p in ours.named_parameters() if p.grad is None and p.requires_grad]
     assert all(".indexer." in n for n in ungraded), ungraded
 
 
