@@ -31,12 +31,7 @@ REFUSED: dict[str, str] = {
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
               "size) with an output bias",
     "axk1": "the MoE block applies a layer norm to its own output (post_mlp_layernorm inside the block)",
-    "beam": "routed scaling multiplies the mixture output, not the weights; experts use their own gated "
-            "activation (_apply_gate)",
     "laguna": "router logit soft-capping, and routed scaling on the mixture output",
-    "minimax_m3_vl_text": "routed scaling on the mixture output; clamped-SwiGLU experts (_apply_gate)",
-    "hy_v4": "clamped-SwiGLU experts (_apply_gate with swiglu_limit): per-expert slices, to_dense and condense "
-             "assume act(gate) * up",
     "cohere2_moe": "top-k on raw logits then sigmoid or softmax of the selected logits, and an 'average' "
                    "shared-expert combination",
     "kolibri1": "selection on raw logits + correction bias, weights = sigmoid of the selected logits",

@@ -173,6 +173,8 @@ class MoEBlock(nn.Module):
                 out = self.mixer(self, x, logits, weights, indices)
         else:
             out = self.mixer(self, x, logits, weights, indices)
+        if spec.output_scaling_field:
+            out = out * getattr(self.view.obj.config, spec.output_scaling_field)
         if shared_module is not None:
             if shared is None:
                 shared = shared_module(x)

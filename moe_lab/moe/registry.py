@@ -77,6 +77,8 @@ class FamilySpec:
     # selection-only bias, path relative to the block, where it is not the router's e_score_correction_bias: a block
     # buffer passed to the router (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE) or ERNIE's [1, E] gate.moe_statics parameter
     correction_bias_attr: str | None = None
+    expert_act: str = "act_fn"  # "act_fn": act(gate) * up; "apply_gate": the experts' own _apply_gate (clamped GLU)
+    output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
     fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
 
@@ -215,6 +217,17 @@ def _ernie_rule(config) -> RoutingRule:
                        weights_in_input_dtype=True)
 
 
+def _minimax_m3_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_in_weight_dtype=True, scores_fp32=True, uses_correction_bias=True,
+                            renormalize=True, sorted_topk=False, weights_in_logits_dtype=False)
+
+
+def _beam_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=bool(config.norm_topk_prob),
+                            renorm_eps=1e-20, n_group=config.n_group, topk_group=config.topk_group,
+                            group_score="top2_sum", weights_in_logits_dtype=False)
+
+
 def _phimoe_rule(config) -> RoutingRule:
     return RoutingRule(
         score="sparsemixer",
@@ -321,6 +334,8 @@ _ADDED: tuple[FamilySpec, ...] = (
     _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
     _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "hy_v4", "HYV4MoE", expert_act="apply_gate",
+          notes=_V3_NOTE + "; clamped-SwiGLU experts (swiglu_limit)"),
     _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
     _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
     _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "; MLA attention"),
@@ -389,6 +404,17 @@ _ADDED_OWN += (
                shared_first=True, correction_bias_attr="gate.moe_statics.e_score_correction_bias",
                notes="fp32 softmax top-k selected with a [1, E] correction bias, renormalised (moe_norm_min), weights "
                "in the input dtype; shared experts (moe_num_shared_experts)"),
+)
+_ADDED_OWN += (
+    FamilySpec("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", "gate", _minimax_m3_rule,
+               shared_attr="shared_experts", shared_first=True, expert_act="apply_gate",
+               output_scaling_field="routed_scaling_factor",
+               notes="sigmoid of the fp32-cast logits + correction bias, renormalised; routed scaling on the mixture "
+               "output; clamped-SwiGLU experts; shared expert"),
+    FamilySpec("beam", "BeamMoE", "gate", _beam_rule, expert_act="apply_gate",
+               output_scaling_field="routed_scaling_factor", aux_loss="sequence", aux_loss_field=None,
+               notes="fp32 sigmoid + correction bias, group-limited top-2-sum, routed scaling on the mixture output, "
+               "fp32 gated activation; HF computes no aux loss (native coefficient 0)"),
 )
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 

@@ -20,6 +20,10 @@ def _gate_up_only(spec: FamilySpec, rule: RoutingRule) -> str | None:
     if spec.expert_layout != "gate_up":
         return "condensed layers support the gate_up expert layout only (GPT-OSS's clamped GLU with biases is not " \
                "implemented)"
+    if spec.expert_act != "act_fn":
+        return "condensed layers compute act(gate) * up; these experts use their own clamped gate (_apply_gate)"
+    if spec.output_scaling_field:
+        return f"condensed layers do not apply the block's output scaling ({spec.output_scaling_field})"
     return None
 
 
