@@ -31,10 +31,8 @@ REFUSED: dict[str, str] = {
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
               "size) with an output bias",
     "axk1": "the MoE block applies a layer norm to its own output (post_mlp_layernorm inside the block)",
-    "laguna": "router logit soft-capping, and routed scaling on the mixture output",
     "cohere2_moe": "top-k on raw logits then sigmoid or softmax of the selected logits, and an 'average' "
                    "shared-expert combination",
-    "kolibri1": "selection on raw logits + correction bias, weights = sigmoid of the selected logits",
     "deepseek_v4": "hash-routed layers choose experts from the token id (tid2eid; the block needs input_ids); "
                    "clamped-SwiGLU experts",
     "gemma4_text": "the router normalises and scales its input and scales the weights per expert; the MoE runs "
@@ -54,7 +52,6 @@ REFUSED: dict[str, str] = {
 }
 # model_type -> note: MoE model types nobody has examined yet
 NOT_LOOKED_AT: dict[str, str] = {
-    "axk2": "router with an optional group-scoring step (apply_group_scoring); not compared with DeepSeek-V3's yet",
     "inkling2_text": "router with a configurable score_fn and experts with their own forward; not mapped yet",
     "inkling2_loop_text": "as inkling2_text (looped decoder); not mapped yet",
 }

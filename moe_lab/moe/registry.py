@@ -228,6 +228,22 @@ def _beam_rule(config) -> RoutingRule:
                             group_score="top2_sum", weights_in_logits_dtype=False)
 
 
+def _laguna_rule(config) -> RoutingRule:
+    cap = float(config.moe_router_logit_softcapping or 0.0)
+    return _block_bias_rule(config, logits_upcast=True, logit_softcap=cap if cap > 0 else None,
+                            uses_correction_bias=True, renormalize=True, weights_in_logits_dtype=False,
+                            weights_in_input_dtype=True)
+
+
+def _kolibri_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, select_on_logits=True, uses_correction_bias=True,
+                            renormalize=bool(config.norm_topk_prob))
+
+
+def _axk2_rule(config) -> RoutingRule:
+    return dataclasses.replace(_deepseek_v3_rule(config), biased_group_fill=0.0)
+
+
 def _phimoe_rule(config) -> RoutingRule:
     return RoutingRule(
         score="sparsemixer",
@@ -334,6 +350,8 @@ _ADDED: tuple[FamilySpec, ...] = (
     _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
     _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "axk2", "AXK2MoE", routing_rule=_axk2_rule,
+          notes=_V3_NOTE + ", but dropped groups filled with 0.0 on the biased scores (AXK2's reference)"),
     _like("deepseek_v3", "hy_v4", "HYV4MoE", expert_act="apply_gate",
           notes=_V3_NOTE + "; clamped-SwiGLU experts (swiglu_limit)"),
     _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
@@ -415,6 +433,16 @@ _ADDED_OWN += (
                output_scaling_field="routed_scaling_factor", aux_loss="sequence", aux_loss_field=None,
                notes="fp32 sigmoid + correction bias, group-limited top-2-sum, routed scaling on the mixture output, "
                "fp32 gated activation; HF computes no aux loss (native coefficient 0)"),
+)
+_ADDED_OWN += (
+    FamilySpec("laguna", "LagunaSparseMoeBlock", "gate", _laguna_rule, shared_attr="shared_experts", shared_first=True,
+               output_scaling_field="moe_routed_scaling_factor",
+               notes="sigmoid + correction bias on soft-capped fp32-cast logits, renormalised, weights in the input "
+               "dtype; routed scaling on the mixture output; shared expert"),
+    FamilySpec("kolibri1", "Kolibri1SparseMoeBlock", "gate", _kolibri_rule, shared_attr="shared_experts",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="top-k of fp32 logits + correction bias, weights = sigmoid of the selected logits (renormalised); "
+               "shared expert; HF computes no aux loss (native 0). On CUDA bf16 inference HF takes an fp32-output mm"),
 )
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 
