@@ -17,7 +17,7 @@ import transformers
 
 import moe_lab
 from moe_lab.moe.block import MoEBlock
-from tests.conftest import ALL_FAMILIES, build_tiny, random_batch
+from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, random_batch
 
 # HF's own DeepseekV3ModelTester: top_k=8 > the 4 experts reachable in topk_group=1 of n_group=2 groups
 HF_TESTER_DEEPSEEK_V3 = {
@@ -26,10 +26,13 @@ HF_TESTER_DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 16, "q_lora_rank": 32,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
 }
+# every registry family in fp32 by default; the core families' other tests by default, the added families' (bf16
+# here, the `family` tests below, the method x family tests elsewhere) under `-m slow` (suite time)
 VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     # bfloat16: every dtype cast of the HF blocks (router weights back to the logits dtype or not, expert
     # outputs into the accumulator) is reproduced
-    *[(f, {}, torch.bfloat16) for f in ALL_FAMILIES],
+    *[(f, {}, torch.bfloat16) for f in FAMILIES],
+    *[pytest.param(f, {}, torch.bfloat16, marks=pytest.mark.slow) for f in ADDED_FAMILIES],
     ("deepseek_v3", HF_TESTER_DEEPSEEK_V3, torch.float32),
     # V2 group-limited greedy with top_k beyond the kept groups: HF gives those experts weight 0.0
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1,
@@ -38,13 +41,6 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     ("mixtral", {"router_jitter_noise": 0.1}, torch.float32),
     ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
 ]
-
-
-@pytest.fixture(params=ALL_FAMILIES)
-def family(request):
-    """The conformance suite runs every registry family (the conftest fixture runs the added ones only under
-    ``-m slow``)."""
-    return request.param
 
 
 def _variant_id(value):
