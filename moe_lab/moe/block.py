@@ -184,6 +184,8 @@ class MoEBlock(nn.Module):
                 out = (out.float() + shared.float()).to(x.dtype)
             else:
                 out = out + shared
+        if spec.output_norm_attr:
+            out = getattr(self, spec.output_norm_attr)(out)
         out = out.reshape(batch, seq, hidden)
         return (out, weights) if spec.returns_router_scores else out
 

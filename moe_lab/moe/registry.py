@@ -78,6 +78,7 @@ class FamilySpec:
     # buffer passed to the router (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE) or ERNIE's [1, E] gate.moe_statics parameter
     correction_bias_attr: str | None = None
     expert_act: str = "act_fn"  # "act_fn": act(gate) * up; "apply_gate": the experts' own _apply_gate (clamped GLU)
+    output_norm_attr: str | None = None  # a norm the block applies to its own output (AXK1's post_mlp_layernorm)
     output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
     fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
@@ -350,6 +351,8 @@ _ADDED: tuple[FamilySpec, ...] = (
     _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
     _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "axk1", "AXK1MoE", output_norm_attr="post_mlp_layernorm",
+          notes=_V3_NOTE + "; an RMSNorm on the block output (post_mlp_layernorm)"),
     _like("deepseek_v3", "axk2", "AXK2MoE", routing_rule=_axk2_rule,
           notes=_V3_NOTE + ", but dropped groups filled with 0.0 on the biased scores (AXK2's reference)"),
     _like("deepseek_v3", "hy_v4", "HYV4MoE", expert_act="apply_gate",
