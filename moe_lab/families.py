@@ -30,8 +30,6 @@ REFUSED: dict[str, str] = {
             "down_proj); the router module returns logits only",
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
               "size) with an output bias",
-    "cohere2_moe": "top-k on raw logits then sigmoid or softmax of the selected logits, and an 'average' "
-                   "shared-expert combination",
     "deepseek_v4": "hash-routed layers choose experts from the token id (tid2eid; the block needs input_ids); "
                    "clamped-SwiGLU experts",
     "gemma4_text": "the router normalises and scales its input and scales the weights per expert; the MoE runs "

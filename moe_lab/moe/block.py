@@ -160,7 +160,8 @@ class MoEBlock(nn.Module):
         spec = self.spec
         batch, seq, hidden = hidden_states.shape
         x = self._jitter(hidden_states).reshape(-1, hidden)
-        shared_module = getattr(self, spec.shared_attr) if spec.shared_attr else None  # None: no shared experts
+        # None: no shared experts (a family whose config may have none, e.g. moe_num_shared_experts=0)
+        shared_module = getattr(self, spec.shared_attr, None) if spec.shared_attr else None
         shared = shared_module(x) if spec.shared_first and shared_module is not None else None
         logits, weights, indices = getattr(self, spec.router_attr)(x)
         if self.view.obj.rule.weights_in_input_dtype:
@@ -180,8 +181,11 @@ class MoEBlock(nn.Module):
                 shared = shared_module(x)
             if spec.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x)) * shared
-            if spec.fp32_combine_field and getattr(self.view.obj.config, spec.fp32_combine_field, False):
+            config = self.view.obj.config
+            if spec.fp32_combine_field and getattr(config, spec.fp32_combine_field, False):
                 out = (out.float() + shared.float()).to(x.dtype)
+            elif spec.shared_combine_field and getattr(config, spec.shared_combine_field) == "average":
+                out = (out + shared) / 2
             else:
                 out = out + shared
         if spec.output_norm_attr:

@@ -78,6 +78,7 @@ class FamilySpec:
     # buffer passed to the router (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE) or ERNIE's [1, E] gate.moe_statics parameter
     correction_bias_attr: str | None = None
     expert_act: str = "act_fn"  # "act_fn": act(gate) * up; "apply_gate": the experts' own _apply_gate (clamped GLU)
+    shared_combine_field: str | None = None  # config field: "sum" (default) or "average" of routed + shared (Cohere2)
     output_norm_attr: str | None = None  # a norm the block applies to its own output (AXK1's post_mlp_layernorm)
     output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
@@ -243,6 +244,16 @@ def _kolibri_rule(config) -> RoutingRule:
 
 def _axk2_rule(config) -> RoutingRule:
     return dataclasses.replace(_deepseek_v3_rule(config), biased_group_fill=0.0)
+
+
+def _cohere2_moe_rule(config) -> RoutingRule:
+    if config.expert_selection_fn == "sigmoid":  # sigmoid of the top-k logits, optionally renormalised
+        return RoutingRule(score="sigmoid", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                           select_on_logits=True, renormalize=bool(config.norm_topk_prob),
+                           weights_in_input_dtype=True)
+    return RoutingRule(score="identity", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                       softmax_over_topk=True, topk_softmax_fp32=True, weights_in_logits_dtype=False,
+                       weights_in_input_dtype=True)
 
 
 def _phimoe_rule(config) -> RoutingRule:
@@ -446,6 +457,13 @@ _ADDED_OWN += (
                aux_loss="sequence", aux_loss_field=None,
                notes="top-k of fp32 logits + correction bias, weights = sigmoid of the selected logits (renormalised); "
                "shared expert; HF computes no aux loss (native 0). On CUDA bf16 inference HF takes an fp32-output mm"),
+)
+_ADDED_OWN += (
+    FamilySpec("cohere2_moe", "Cohere2MoeSparseMoeBlock", "gate", _cohere2_moe_rule, shared_attr="shared_experts",
+               shared_combine_field="shared_expert_combination_strategy", aux_loss="switch", aux_loss_field=None,
+               notes="top-k of the logits, then an fp32 softmax over them (or their sigmoid, expert_selection_fn), "
+               "weights in the input dtype; optional shared experts summed or averaged; HF computes no aux loss "
+               "(native 0; an explicit coefficient adds the Switch loss)"),
 )
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 

@@ -38,6 +38,7 @@ class RoutingRule:
     logit_softcap: the logits become ``tanh(l / c) * c`` (Laguna's router soft-capping).
     select_on_logits: top-k reads the logits (+ correction bias); the weights are the sigmoid of the selected
     logits (Kolibri).
+    topk_softmax_fp32: the softmax over the top-k logits is taken in fp32 (Cohere2-MoE), else in the logits dtype.
     biased_group_fill: what groups dropped by group-limited selection get on a biased choice (AXK2: 0.0).
     logits_in_weight_dtype: the tokens are cast to the router weight's dtype before the matmul (MiniMax-M2,
     Hunyuan: an fp32-kept router weight gives fp32 logits).
@@ -68,6 +69,7 @@ class RoutingRule:
     logit_softcap: float | None = None
     select_on_logits: bool = False
     biased_group_fill: float = float("-inf")
+    topk_softmax_fp32: bool = False
 
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
@@ -222,7 +224,7 @@ def select_topk(
     else:
         weights = top_choice if choice is scores else scores.gather(1, indices)
     if rule.softmax_over_topk:
-        weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
+        weights = torch.softmax(weights, dim=1, dtype=torch.float32 if rule.topk_softmax_fp32 else weights.dtype)
     if rule.renormalize:
         denominator = weights.sum(dim=-1, keepdim=True)
         if rule.renorm_min is not None:

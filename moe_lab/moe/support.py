@@ -24,6 +24,8 @@ def _gate_up_only(spec: FamilySpec, rule: RoutingRule) -> str | None:
         return "condensed layers compute act(gate) * up; these experts use their own clamped gate (_apply_gate)"
     if spec.output_scaling_field:
         return f"condensed layers do not apply the block's output scaling ({spec.output_scaling_field})"
+    if spec.shared_combine_field:
+        return f"condensed layers sum the shared path; this block may average it ({spec.shared_combine_field})"
     if spec.output_norm_attr:
         return f"condensed layers do not apply the block's output norm ({spec.output_norm_attr})"
     return None

@@ -44,7 +44,7 @@ class MoELayerView:
 
     @property
     def shared(self) -> nn.Module | None:
-        return getattr(self.block, self.spec.shared_attr) if self.spec.shared_attr else None
+        return getattr(self.block, self.spec.shared_attr, None) if self.spec.shared_attr else None
 
     @property
     def shared_gate(self) -> nn.Module | None:

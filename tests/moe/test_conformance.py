@@ -40,13 +40,15 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     # training-time input jitter (Mixtral once, PhiMoE twice) drawn from the same generator state
     ("mixtral", {"router_jitter_noise": 0.1}, torch.float32),
     ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
+    # Cohere2-MoE's other selection function (sigmoid of the top-k logits) with summed shared experts
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
 ]
 
 
 def _variant_id(value):
     if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method")
-                        or "jitter" in k) or "default"
+        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method",
+                                                                        "expert_selection_fn") or "jitter" in k) or "default"
     return str(value).removeprefix("torch.")
 
 

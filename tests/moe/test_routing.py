@@ -23,6 +23,7 @@ VARIANTS = [(f, {}) for f in ALL_FAMILIES] + [
     ("deepseek_v3", {"norm_topk_prob": False}),
     ("olmoe", {"norm_topk_prob": True}),
     ("qwen2_moe", {"num_experts_per_tok": 4}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid"}),
 ]
 
 
