@@ -60,6 +60,8 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
         weights = scores
         if rule.renormalize:
             denom = scores.gather(1, indices).sum(dim=-1, keepdim=True)
+            if rule.renorm_min is not None:
+                denom = torch.clamp(denom, min=rule.renorm_min)
             if rule.renorm_eps:
                 denom = denom + rule.renorm_eps
             weights = scores / torch.where(selected, denom, denom.detach())

@@ -347,17 +347,23 @@ def _like(base: str, model_type: str, block_class: str, **changes) -> FamilySpec
 _V3_NOTE = "DeepSeek-V3 routing (sigmoid, correction bias, group-limited top-2-sum, routed scaling)"
 _ADDED: tuple[FamilySpec, ...] = (
     _like("qwen2_moe", "qwen3_next", "Qwen3NextSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
           notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet / full-attention hybrid",
           real_checkpoints=("Qwen/Qwen3-Next-80B-A3B-Instruct",)),
     _like("qwen2_moe", "qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
           routing_rule=functools.partial(_softmax_rule, renormalize=True),
           notes="Qwen2-MoE block, top-k always renormalised (no norm_topk_prob); gated-DeltaNet hybrid"),
     _like("qwen2_moe", "qwen4_exp_text", "Qwen4ExpTextSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
           notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet hybrid"),
-    _like("qwen3_moe", "mellum", "MellumSparseMoeBlock", notes="Qwen3-MoE block"),
+    _like("qwen3_moe", "mellum", "MellumSparseMoeBlock", notes="Qwen3-MoE block",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_local_experts"))),
     _like("olmoe", "flex_olmo", "FlexOlmoSparseMoeBlock", notes="OLMoE block",
+          dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_experts")),
           real_checkpoints=("allenai/FlexOlmo-7x7B-1T",)),
     _like("mixtral", "minimax", "MiniMaxSparseMoeBlock", notes="Mixtral block in a lightning-attention hybrid",
+          dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts")),
           real_checkpoints=("MiniMaxAI/MiniMax-Text-01",)),
     _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
@@ -388,6 +394,7 @@ _ADDED: tuple[FamilySpec, ...] = (
 _ADDED_OWN: tuple[FamilySpec, ...] = tuple(
     FamilySpec(
         model_type, "GraniteMoeMoE" if model_type == "granitemoe" else f"{prefix}MoE", "router", _granite_rule,
+        dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts")),
         notes="top-k on the (fp32-cast) logits, softmax over the top-k, weights in the input dtype" + extra,
     )
     for model_type, prefix, extra in (
@@ -403,6 +410,7 @@ _ADDED_OWN += (
                notes="fp32 sigmoid top-k (renormalised), ungated shared expert; sliding-window hybrid"),
     FamilySpec("lara_mini", "LaraMiniSparseMoeBlock", "gate", functools.partial(_fp32_rule, "softmax"),
                shared_attr="shared_expert",
+               dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
                notes="fp32 softmax top-k, weights in the input dtype, ungated shared expert; gated-DeltaNet / "
                "sliding / full hybrid"),
 )

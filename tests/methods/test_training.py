@@ -9,13 +9,15 @@ from torch.utils.data import DataLoader
 
 import moe_lab
 from moe_lab.methods.base import MoELightningModule
-from tests.conftest import FAMILIES, build_tiny, random_batch
+from moe_lab.moe import find_moe_layers
+from moe_lab.moe.support import undefined_reason
+from tests.conftest import FAMILY_PARAMS, build_tiny, random_batch
 
-# (method, family) pairs that are not defined, and why
-NOT_APPLICABLE = {
-    ("densemixer", "phimoe"): "sparsemixer routing has its own router-gradient estimator",
-    ("condenser", "phimoe"): "selection biases / forced experts are undefined for sparsemixer",
-}
+
+def _undefined(method: str, model) -> str | None:
+    """Why ``method`` is not defined for the family of ``model`` (moe_lab.moe.support), or None."""
+    view = find_moe_layers(model)[0]
+    return undefined_reason(method, view.spec, view.rule)
 
 
 def _options(method: str, model) -> dict:
@@ -32,12 +34,12 @@ def _methods() -> list[tuple[str, float | str]]:
     return [(m, 0.0) for m in moe_lab.supported_methods()] + [("sft", "native")]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 @pytest.mark.parametrize("method,aux", _methods(), ids=lambda v: str(v))
 def test_twenty_steps_lower_the_loss(method, aux, family):
     name = method
-    if (name, family) in NOT_APPLICABLE:
-        with pytest.raises(ValueError):
+    if _undefined(name, build_tiny(family)):  # refused by name
+        with pytest.raises(ValueError, match=f"{name} is not defined for {family}: "):
             moe_lab.apply(build_tiny(family), name, **_options(name, build_tiny(family)))
         return
     torch.manual_seed(0)
