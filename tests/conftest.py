@@ -64,6 +64,17 @@ def build_tiny(family: str, seed: int = 0, **config_overrides):
     return model
 
 
+def hf_route(view, router, x):
+    """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
+    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]."""
+    own = view.spec.correction_bias_attr
+    extra = (getattr(view.block, own),) if own and "." not in own else ()
+    try:
+        return router(x, *extra)
+    except ValueError:  # AFMoE
+        return tuple(t.reshape(-1, t.shape[-1]) for t in router(x[None], *extra))
+
+
 def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3), (2, 5))):
     """input_ids/attention_mask/labels with left padding on some rows (row, n_pad)."""
     gen = torch.Generator().manual_seed(seed)

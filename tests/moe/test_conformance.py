@@ -17,7 +17,7 @@ import transformers
 
 import moe_lab
 from moe_lab.moe.block import MoEBlock
-from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, random_batch
+from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, hf_route, random_batch
 
 # HF's own DeepseekV3ModelTester: top_k=8 > the 4 experts reachable in topk_group=1 of n_group=2 groups
 HF_TESTER_DEEPSEEK_V3 = {
@@ -165,7 +165,7 @@ def test_counts_match_an_independent_recount(family):
         hf_block = vanilla.get_submodule(view.name)
         x = _block_inputs(vanilla, view.name, batch)
         router = getattr(hf_block, view.spec.router_attr)
-        _, _, idx = router(x.reshape(-1, x.shape[-1]))
+        _, _, idx = hf_route(view, router, x.reshape(-1, x.shape[-1]))
         expected = torch.bincount(idx[real].reshape(-1), minlength=layer.num_experts)
         assert torch.equal(layer.counts, expected), f"layer {layer.index}"
 

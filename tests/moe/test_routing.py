@@ -11,7 +11,7 @@ from moe_lab.moe import find_moe_layers, supported_families
 from moe_lab.moe.block import ConventionalRouting
 from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.routing import RoutingRule, select_topk
-from tests.conftest import ALL_FAMILIES, build_tiny, tiny_model_cfg
+from tests.conftest import ALL_FAMILIES, build_tiny, hf_route, tiny_model_cfg
 
 VARIANTS = [(f, {}) for f in ALL_FAMILIES] + [
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
@@ -33,12 +33,7 @@ def test_routing_equals_hf_router(family, overrides):
     model = build_tiny(family, **overrides).eval()
     x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     for view in find_moe_layers(model):
-        own = view.spec.correction_bias_attr  # a selection bias of the block itself is passed to the HF router
-        extra = (getattr(view.block, own),) if own and "." not in own else ()
-        try:
-            hf_logits, hf_weights, hf_idx = view.router(x, *extra)
-        except ValueError:  # AFMoE's router reads the block's [B, S, H] shape
-            hf_logits, hf_weights, hf_idx = (t.reshape(-1, t.shape[-1]) for t in view.router(x[None], *extra))
+        hf_logits, hf_weights, hf_idx = hf_route(view, view.router, x)
         logits, weights, idx = ConventionalRouting(view)(view.router, x)
         torch.testing.assert_close(logits, hf_logits, rtol=0, atol=0)
         assert torch.equal(idx, hf_idx)
