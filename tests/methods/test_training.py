@@ -20,6 +20,11 @@ def _undefined(method: str, model) -> str | None:
     return undefined_reason(method, view.spec, view.rule)
 
 
+# ESFT trains 3 experts' slices only (attention, router, embeddings frozen): the one-MoE-layer tiny configs of the
+# added families need a larger step to lower the loss by 20% in 20 steps
+LR = {"esft": 3e-2}
+
+
 def _options(method: str, model) -> dict:
     layers = [layer.index for layer in moe_lab.apply(model, "sft").layers]
     if method == "condenser":
@@ -45,7 +50,7 @@ def test_twenty_steps_lower_the_loss(method, aux, family):
     torch.manual_seed(0)
     options = _options(name, build_tiny(family))
     module = MoELightningModule(build_tiny(family), method=name, options=options, aux_loss_coef=aux,
-                                optim={"lr": 3e-3, "weight_decay": 0.01})
+                                optim={"lr": LR.get(name, 3e-3), "weight_decay": 0.01})
     batches = [random_batch(batch=4, seq=16, seed=s) for s in range(2)]
     losses = []
 
