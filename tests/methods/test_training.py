@@ -26,11 +26,12 @@ LR = {"esft": 3e-2}
 
 
 def _options(method: str, model) -> dict:
-    layers = [layer.index for layer in moe_lab.apply(model, "sft").layers]
+    patch = moe_lab.apply(model, "sft")
+    layers, num_experts = [layer.index for layer in patch.layers], patch.layers[0].num_experts
     if method == "condenser":
         return {"gamma": 1e-2, "n": 1, "warmup_steps": 5}
     if method == "esft":
-        return {"experts": {i: [0, 1, 2] for i in layers}}
+        return {"experts": {i: list(range(num_experts - 1)) for i in layers}}  # one expert stays frozen
     return {}
 
 
