@@ -12,9 +12,23 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MOE_LAB_DATA_DIR", ROOT.parent / "shared" / "data" / "llm_adapters"))
+# the core families: every test parametrised over families runs them by default
 FAMILIES = [
     "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "phimoe",
 ]
+
+
+def _added_families() -> list[str]:
+    from moe_lab.moe.registry import supported_families
+
+    return [f for f in supported_families() if f not in FAMILIES]
+
+
+# every other registry family: the conformance suite (tests/moe) runs them by default, the method x family
+# tests only under `-m slow` (suite time: each family multiplies every parametrised test)
+ADDED_FAMILIES = _added_families()
+ALL_FAMILIES = FAMILIES + ADDED_FAMILIES
+FAMILY_PARAMS = [*FAMILIES, *(pytest.param(f, marks=pytest.mark.slow) for f in ADDED_FAMILIES)]
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -45,9 +59,20 @@ def build_tiny(family: str, seed: int = 0, **config_overrides):
                 continue
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
         for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection-only biases
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
     return model
+
+
+def hf_route(view, router, x):
+    """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
+    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]."""
+    own = view.spec.correction_bias_attr
+    extra = (getattr(view.block, own),) if own and "." not in own else ()
+    try:
+        return router(x, *extra)
+    except ValueError:  # AFMoE
+        return tuple(t.reshape(-1, t.shape[-1]) for t in router(x[None], *extra))
 
 
 def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3), (2, 5))):
@@ -113,6 +138,6 @@ def word_text(path, lines: int, words_per_line: int = 40, seed: int = 0, vocab: 
     return path
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=FAMILY_PARAMS)
 def family(request):
     return request.param

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
+from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView, find_moe_layers
 from .calibration import Calibration
 
@@ -126,9 +127,7 @@ class CondensedLayer(nn.Module):
 
     def __init__(self, view: MoELayerView, experts: Sequence[int], gates: torch.Tensor):
         super().__init__()
-        if view.spec.expert_layout != "gate_up":
-            raise ValueError(f"{view.spec.model_type}: CD-MoE condensing supports the gate_up expert layout only "
-                             "(GPT-OSS's clamped GLU with biases is not implemented)")
+        refuse_undefined("condense", view.spec, view.rule)
         ids = torch.tensor([int(e) for e in experts], dtype=torch.long)
         if ids.numel() != len(set(ids.tolist())) or bool(((ids < 0) | (ids >= view.num_experts)).any()):
             raise ValueError(f"layer {view.index}: retained experts {ids.tolist()} must be distinct ids in "

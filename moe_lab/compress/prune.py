@@ -184,8 +184,11 @@ def _sliced_state(model: nn.Module, views: list[MoELayerView], kept: dict[int, l
     state = model.state_dict()
     for view in views:
         idx = torch.tensor(kept[view.index], dtype=torch.long)
-        for prefix in (f"{view.name}.experts.", f"{view.name}.{view.spec.router_attr}."):
+        own = view.spec.correction_bias_attr
+        for prefix in (f"{view.name}.experts.", f"{view.name}.{view.spec.router_attr}.",
+                       *([f"{view.name}.{own}"] if own else [])):
             for name in [n for n in state if n.startswith(prefix)]:
-                if state[name].dim() and state[name].shape[0] == view.num_experts:
-                    state[name] = state[name].index_select(0, idx.to(state[name].device))
+                dim = -1 if own and name == f"{view.name}.{own}" else 0  # ERNIE's bias is [1, E]
+                if state[name].dim() and state[name].shape[dim] == view.num_experts:
+                    state[name] = state[name].index_select(dim, idx.to(state[name].device))
     return state

@@ -95,7 +95,7 @@ class WidenedRouting(ConventionalRouting):
     def __call__(self, router: nn.Module, x: torch.Tensor):
         logits = self.logits(router, x)
         weights, indices = select_topk(self.rule, logits, router.training,
-                                       getattr(router, "e_score_correction_bias", None), top_k=self.top_k)
+                                       self.view.correction_bias, top_k=self.top_k)
         if self.weight_rule == "paper_eq6":
             weights = routing_probabilities(self.rule, logits).gather(1, indices).to(weights.dtype)
         return logits, weights, indices

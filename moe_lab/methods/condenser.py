@@ -64,6 +64,7 @@ from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
 from ..moe.stats import in_backward_pass
+from ..moe.support import refuse_undefined
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class CondenserRouting(ConventionalRouting):
         appended = self.budget == "append_all"
         top_k = self.rule.top_k + (len(forced) if forced is not None and self.budget == "append" else 0)
         weights, indices = select_topk(
-            self.rule, logits, router.training, getattr(router, "e_score_correction_bias", None),
+            self.rule, logits, router.training, self.view.correction_bias,
             selection_bias=None if self.inside else bias, bias_space=self.bias_space or "logits",
             forced=None if appended else forced, top_k=top_k, append=forced if appended else None,
         )
@@ -390,8 +391,7 @@ def install_condenser(
                                   ("condenser_bias", condenser_bias, CONDENSER_BIASES),
                                   ("update_every", update_every, UPDATE_EVERY)):
         _check_choice(field, value, allowed)
-    if patch.views[0].rule.score == "sparsemixer":
-        raise ValueError("condenser is not defined for sparsemixer routing (phimoe): use another family")
+    refuse_undefined("condenser", patch.spec, patch.views[0].rule)
     k, num_experts = patch.layers[0].top_k, patch.layers[0].num_experts
     most = {"replace": k, "append": num_experts - k, "append_all": num_experts}[budget]
     if not 0 <= n <= most:

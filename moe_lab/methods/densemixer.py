@@ -33,6 +33,7 @@ from ..moe.block import MoEBlock
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits
+from ..moe.support import refuse_undefined
 
 
 def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,8 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
         weights = scores
         if rule.renormalize:
             denom = scores.gather(1, indices).sum(dim=-1, keepdim=True)
+            if rule.renorm_min is not None:
+                denom = torch.clamp(denom, min=rule.renorm_min)
             if rule.renorm_eps:
                 denom = denom + rule.renorm_eps
             weights = scores / torch.where(selected, denom, denom.detach())
@@ -169,11 +172,7 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
         raise ValueError(f"method.options.forward={forward!r} with gradient={gradient!r} is not a DenseMixer "
                          f"variant ({fix}); variants (forward, gradient): {sorted(VARIANTS)}")
     for view, block in zip(patch.views, patch.layers):
-        if view.rule.score == "sparsemixer":
-            raise ValueError(
-                f"densemixer is not defined for {view.spec.model_type}: its sparsemixer routing already "
-                "has its own router-gradient estimator; use method=sft"
-            )
+        refuse_undefined("densemixer", view.spec, view.rule)
         width = 3 * expert_intermediate_size(view) + 2 * view.config.hidden_size
         per_token = width * view.down_proj.element_size()
         block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)

@@ -12,7 +12,7 @@ def install_sft(patch: MoEPatch) -> None:
 def install_frozen_router(patch: MoEPatch, freeze_router_bias: bool = True) -> None:
     """Freeze every router weight (and the GPT-OSS logit bias unless ``freeze_router_bias=False``)."""
     for view in patch.views:
-        view.router.weight.requires_grad_(False)
+        view.router_weight.requires_grad_(False)
         bias = view.router_bias
         if bias is not None and freeze_router_bias:
             bias.requires_grad_(False)

@@ -54,8 +54,7 @@ def sequence_balance_loss(router_logits, views, token_mask: torch.Tensor,
         scores = scores_from_logits(rule, flat).float()
         if rule.score == "sigmoid":
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        correction = getattr(view.router, "e_score_correction_bias", None)
-        _, indices = select_topk(rule, flat.detach(), False, correction)
+        _, indices = select_topk(rule, flat.detach(), False, view.correction_bias)
         selected = torch.zeros_like(scores).scatter_(1, indices, 1.0)
         counts = scores.new_zeros(count, rule.num_experts).index_add_(0, seq, selected)
         sums = scores.new_zeros(count, rule.num_experts).index_add_(0, seq, scores)

@@ -55,16 +55,16 @@ class ConventionalRouting:
 
     def __init__(self, view: MoELayerView):
         self.rule = view.rule
+        self.view = view
 
     def logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(router, "bias", None)
-        return router_logits(self.rule, x, router.weight, bias if isinstance(bias, torch.Tensor) else None)
+        weight = router.get_parameter(self.view.spec.router_weight_attr)
+        return router_logits(self.rule, x, weight, bias if isinstance(bias, torch.Tensor) else None)
 
     def __call__(self, router: nn.Module, x: torch.Tensor):
         logits = self.logits(router, x)
-        weights, indices = select_topk(
-            self.rule, logits, router.training, getattr(router, "e_score_correction_bias", None)
-        )
+        weights, indices = select_topk(self.rule, logits, router.training, self.view.correction_bias)
         return logits, weights, indices
 
 
@@ -106,6 +106,11 @@ class MoEBlock(nn.Module):
         super().__init__()
         for name, child in view.block.named_children():
             self.add_module(name, child)
+        # the HF block's own tensors (e.g. MiniMax-M2's e_score_correction_bias buffer), under the same names
+        for name, param in view.block.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in view.block.named_buffers(recurse=False):
+            self.register_buffer(name, buf, persistent=name not in view.block._non_persistent_buffers_set)
         self.view = _Frozen(view)
         self.context = _Frozen(context)
         self.index = view.index
@@ -172,9 +177,15 @@ class MoEBlock(nn.Module):
         spec = self.spec
         batch, seq, hidden = hidden_states.shape
         x = self._jitter(hidden_states).reshape(-1, hidden)
-        shared = getattr(self, spec.shared_attr)(x) if spec.shared_first else None
+        # None: no shared experts (a family whose config may have none, e.g. moe_num_shared_experts=0)
+        shared_module = getattr(self, spec.shared_attr, None) if spec.shared_attr else None
+        shared = shared_module(x) if spec.shared_first and shared_module is not None else None
         logits, weights, indices = getattr(self, spec.router_attr)(x)
+        if self.view.obj.rule.weights_in_input_dtype:
+            weights = weights.to(x.dtype)
         self._count(indices, batch, seq)
+        if spec.shared_after_router:
+            shared = shared_module(x)
         if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():
                 out = self.mixer(self, x, logits, weights, indices)
@@ -182,12 +193,22 @@ class MoEBlock(nn.Module):
             cast = autocast_expert_weights(self.experts, x.device.type)
             with stateless._reparametrize_module(self.experts, cast) if cast else contextlib.nullcontext():
                 out = self.mixer(self, x, logits, weights, indices)
-        if spec.shared_attr is not None:
+        if spec.output_scaling_field:
+            out = out * getattr(self.view.obj.config, spec.output_scaling_field)
+        if shared_module is not None:
             if shared is None:
-                shared = getattr(self, spec.shared_attr)(x)
+                shared = shared_module(x)
             if spec.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x)) * shared
-            out = out + shared
+            config = self.view.obj.config
+            if spec.fp32_combine_field and getattr(config, spec.fp32_combine_field, False):
+                out = (out.float() + shared.float()).to(x.dtype)
+            elif spec.shared_combine_field and getattr(config, spec.shared_combine_field) == "average":
+                out = (out + shared) / 2
+            else:
+                out = out + shared
+        if spec.output_norm_attr:
+            out = getattr(self, spec.output_norm_attr)(out)
         out = out.reshape(batch, seq, hidden)
         return (out, weights) if spec.returns_router_scores else out
 

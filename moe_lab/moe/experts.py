@@ -14,7 +14,10 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
     if view.spec.expert_layout == "gpt_oss":
         gate_up = x @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]
         return experts._apply_gate(gate_up) @ experts.down_proj[expert] + experts.down_proj_bias[expert]
-    gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    gate_up = F.linear(x, experts.gate_up_proj[expert])
+    if view.spec.expert_act == "apply_gate":
+        return F.linear(experts._apply_gate(gate_up), experts.down_proj[expert])
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
 
 

@@ -58,6 +58,7 @@ class MoEPatch:
             router = view.router
             router.__class__ = routed_router_class(type(router))
             _set_module(self.model, view.name, block)
+            view.installed = block
         self._hooks = [
             self.model.register_forward_pre_hook(self.context.capture, with_kwargs=True),
             self.model.register_forward_hook(self.context.release, with_kwargs=True),
@@ -70,6 +71,11 @@ class MoEPatch:
             return self.model
         for view, block in zip(self.views, self.layers):
             view.block.train(block.training)
+            for name in view.block._parameters:  # the block's own tensors, as moved / cast while installed
+                view.block._parameters[name] = block._parameters[name]
+            for name in view.block._buffers:
+                view.block._buffers[name] = block._buffers[name]
+            view.installed = None
             _set_module(self.model, view.name, view.block)
             router = view.router
             router.__class__ = type(router).__mro__[1]

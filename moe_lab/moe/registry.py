@@ -6,6 +6,7 @@ it (:mod:`moe_lab.moe.view`). Adding a family = one entry here + one tiny config
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class FamilySpec:
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
+    shared_after_router: bool = False  # HF runs the shared expert between the router and the routed experts (AFMoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
     # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
@@ -72,6 +74,15 @@ class FamilySpec:
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
     dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
     vanilla_top_k: int | None = None  # HF's block always routes this many experts, whatever num_experts_per_tok
+    # selection-only bias, path relative to the block, where it is not the router's e_score_correction_bias: a block
+    # buffer passed to the router (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE) or ERNIE's [1, E] gate.moe_statics parameter
+    correction_bias_attr: str | None = None
+    expert_act: str = "act_fn"  # "act_fn": act(gate) * up; "apply_gate": the experts' own _apply_gate (clamped GLU)
+    shared_combine_field: str | None = None  # config field: "sum" (default) or "average" of routed + shared (Cohere2)
+    output_norm_attr: str | None = None  # a norm the block applies to its own output (AXK1's post_mlp_layernorm)
+    output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
+    router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
+    fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -141,6 +152,110 @@ def _gpt_oss_rule(config) -> RoutingRule:
     )
 
 
+def _granite_rule(config) -> RoutingRule:
+    return RoutingRule(
+        score="identity",
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        softmax_over_topk=True,
+        logits_upcast=True,
+        weights_in_logits_dtype=False,
+        weights_in_input_dtype=True,
+    )
+
+
+def _fp32_rule(score: str, config) -> RoutingRule:
+    """fp32 router matmul, ``score`` (softmax | sigmoid) top-k, optionally renormalised, weights left fp32 or cast
+    to the input dtype by the block (FlintTopKRouter / LaraMiniTopKRouter)."""
+    return RoutingRule(
+        score=score,
+        top_k=config.num_experts_per_tok,
+        num_experts=_num_experts(config),
+        logits_fp32=True,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_input_dtype=score == "softmax",
+    )
+
+
+def _block_bias_rule(config, **fields) -> RoutingRule:
+    """Sigmoid top-k with a selection-only bias held by the block (registry ``correction_bias_attr``)."""
+    return RoutingRule(score="sigmoid", top_k=config.num_experts_per_tok, num_experts=_num_experts(config), **fields)
+
+
+def _minimax_m2_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, scores_fp32=True, uses_correction_bias=True, renormalize=True, sorted_topk=False,
+                            weights_in_logits_dtype=False)
+
+
+def _lfm2_moe_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, uses_correction_bias=bool(config.use_expert_bias),
+                            renormalize=bool(config.norm_topk_prob), renorm_eps=1e-6,
+                            scaling=float(config.routed_scaling_factor))
+
+
+def _hy_v3_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.router_scaling_factor), sorted_topk=False,
+                            weights_in_logits_dtype=False)
+
+
+def _afmoe_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_upcast=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.route_scale), weights_in_logits_dtype=False)
+
+
+def _hunyuan_rule(config) -> RoutingRule:
+    per_layer = [name for name in ("num_experts", "moe_topk") if isinstance(getattr(config, name), list)]
+    if per_layer:
+        raise ValueError(f"per-layer {' / '.join(per_layer)} lists are not supported: give one int each")
+    return RoutingRule(score="softmax", top_k=config.moe_topk, num_experts=config.num_experts, renormalize=True,
+                       logits_in_weight_dtype=True)
+
+
+def _ernie_rule(config) -> RoutingRule:
+    return RoutingRule(score="softmax", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                       logits_fp32=True, uses_correction_bias=True, renormalize=True,
+                       renorm_min=float(config.moe_norm_min), weights_in_logits_dtype=False,
+                       weights_in_input_dtype=True)
+
+
+def _minimax_m3_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_in_weight_dtype=True, scores_fp32=True, uses_correction_bias=True,
+                            renormalize=True, sorted_topk=False, weights_in_logits_dtype=False)
+
+
+def _beam_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=bool(config.norm_topk_prob),
+                            renorm_eps=1e-20, n_group=config.n_group, topk_group=config.topk_group,
+                            group_score="top2_sum", weights_in_logits_dtype=False)
+
+
+def _laguna_rule(config) -> RoutingRule:
+    cap = float(config.moe_router_logit_softcapping or 0.0)
+    return _block_bias_rule(config, logits_upcast=True, logit_softcap=cap if cap > 0 else None,
+                            uses_correction_bias=True, renormalize=True, weights_in_logits_dtype=False,
+                            weights_in_input_dtype=True)
+
+
+def _kolibri_rule(config) -> RoutingRule:
+    return _block_bias_rule(config, logits_fp32=True, select_on_logits=True, uses_correction_bias=True,
+                            renormalize=bool(config.norm_topk_prob))
+
+
+def _axk2_rule(config) -> RoutingRule:
+    return dataclasses.replace(_deepseek_v3_rule(config), biased_group_fill=0.0)
+
+
+def _cohere2_moe_rule(config) -> RoutingRule:
+    if config.expert_selection_fn == "sigmoid":  # sigmoid of the top-k logits, optionally renormalised
+        return RoutingRule(score="sigmoid", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                           select_on_logits=True, renormalize=bool(config.norm_topk_prob),
+                           weights_in_input_dtype=True)
+    return RoutingRule(score="identity", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                       softmax_over_topk=True, topk_softmax_fp32=True, weights_in_logits_dtype=False,
+                       weights_in_input_dtype=True)
+
+
 def _phimoe_rule(config) -> RoutingRule:
     return RoutingRule(
         score="sparsemixer",
@@ -151,7 +266,7 @@ def _phimoe_rule(config) -> RoutingRule:
     )
 
 
-FAMILIES: dict[str, FamilySpec] = {
+_CORE: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (
         FamilySpec(
@@ -218,6 +333,147 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
     )
 }
+
+
+
+def _like(base: str, model_type: str, block_class: str, **changes) -> FamilySpec:
+    """A family whose MoE block, router and experts are HF's ``base`` family's code under other class names
+    (``moe_lab.families`` checks that by source); ``changes``: the registry fields that differ."""
+    changes.setdefault("dense_target", None)
+    changes.setdefault("real_checkpoints", ())
+    return dataclasses.replace(_CORE[base], model_type=model_type, block_class=block_class, **changes)
+
+
+_V3_NOTE = "DeepSeek-V3 routing (sigmoid, correction bias, group-limited top-2-sum, routed scaling)"
+_ADDED: tuple[FamilySpec, ...] = (
+    _like("qwen2_moe", "qwen3_next", "Qwen3NextSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
+          notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet / full-attention hybrid",
+          real_checkpoints=("Qwen/Qwen3-Next-80B-A3B-Instruct",)),
+    _like("qwen2_moe", "qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
+          routing_rule=functools.partial(_softmax_rule, renormalize=True),
+          notes="Qwen2-MoE block, top-k always renormalised (no norm_topk_prob); gated-DeltaNet hybrid"),
+    _like("qwen2_moe", "qwen4_exp_text", "Qwen4ExpTextSparseMoeBlock",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
+          notes="Qwen2-MoE block (sigmoid-gated shared expert) in a gated-DeltaNet hybrid"),
+    _like("qwen3_moe", "mellum", "MellumSparseMoeBlock", notes="Qwen3-MoE block",
+          dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_local_experts"))),
+    _like("olmoe", "flex_olmo", "FlexOlmoSparseMoeBlock", notes="OLMoE block",
+          dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_experts")),
+          real_checkpoints=("allenai/FlexOlmo-7x7B-1T",)),
+    _like("mixtral", "minimax", "MiniMaxSparseMoeBlock", notes="Mixtral block in a lightning-attention hybrid",
+          dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts")),
+          real_checkpoints=("MiniMaxAI/MiniMax-Text-01",)),
+    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
+          real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
+    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "axk1", "AXK1MoE", output_norm_attr="post_mlp_layernorm",
+          notes=_V3_NOTE + "; an RMSNorm on the block output (post_mlp_layernorm)"),
+    _like("deepseek_v3", "axk2", "AXK2MoE", routing_rule=_axk2_rule,
+          notes=_V3_NOTE + ", but dropped groups filled with 0.0 on the biased scores (AXK2's reference)"),
+    _like("deepseek_v3", "hy_v4", "HYV4MoE", expert_act="apply_gate",
+          notes=_V3_NOTE + "; clamped-SwiGLU experts (swiglu_limit)"),
+    _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
+    _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
+    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "; MLA attention"),
+    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", notes=_V3_NOTE + "; sparse (indexer) attention"),
+    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", notes=_V3_NOTE + "; GLM-4-MoE modeling code"),
+    _like("deepseek_v3", "solar_open", "SolarOpenMoE", notes=_V3_NOTE),
+    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "; KDA linear-attention hybrid",
+          real_checkpoints=("moonshotai/Kimi-Linear-48B-A3B-Instruct",)),
+    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", notes=_V3_NOTE + "; indexed attention"),
+    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "; sliding-window hybrid"),
+    _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None,
+          notes=_V3_NOTE + "; no shared expert; sliding-window hybrid"),
+    _like("mixtral", "jamba", "JambaSparseMoeBlock", router_attr="router", jitter_field=None,
+          routing_rule=functools.partial(_softmax_rule, renormalize=False),
+          notes="softmax top-k, not renormalised; Mamba + attention hybrid, MoE every expert_layer_period layers"),
+    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", notes=_V3_NOTE + "; linear-attention hybrid"),
+)
+_ADDED_OWN: tuple[FamilySpec, ...] = tuple(
+    FamilySpec(
+        model_type, "GraniteMoeMoE" if model_type == "granitemoe" else f"{prefix}MoE", "router", _granite_rule,
+        dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts")),
+        notes="top-k on the (fp32-cast) logits, softmax over the top-k, weights in the input dtype" + extra,
+    )
+    for model_type, prefix, extra in (
+        ("granitemoe", "GraniteMoe", ""),
+        ("granitemoeshared", "GraniteMoeShared", "; shared MLP in the decoder layer, outside the MoE block"),
+        ("granitemoe_swa", "GraniteMoeSWA", "; sliding-window attention layers"),
+        ("granitemoehybrid", "GraniteMoeHybrid", "; Mamba-2 hybrid; shared MLP outside the MoE block"),
+    )
+)
+_ADDED_OWN += (
+    FamilySpec("flint", "FlintSparseMoeBlock", "gate", functools.partial(_fp32_rule, "sigmoid"),
+               shared_attr="shared_expert",
+               notes="fp32 sigmoid top-k (renormalised), ungated shared expert; sliding-window hybrid"),
+    FamilySpec("lara_mini", "LaraMiniSparseMoeBlock", "gate", functools.partial(_fp32_rule, "softmax"),
+               shared_attr="shared_expert",
+               dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
+               notes="fp32 softmax top-k, weights in the input dtype, ungated shared expert; gated-DeltaNet / "
+               "sliding / full hybrid"),
+)
+_ADDED_OWN += (
+    FamilySpec("minimax_m2", "MiniMaxM2SparseMoeBlock", "gate", _minimax_m2_rule,
+               correction_bias_attr="e_score_correction_bias", jitter_field="router_jitter_noise",
+               notes="sigmoid of the fp32-cast logits, selection bias held by the block, renormalised top-k"),
+    FamilySpec("lfm2_moe", "Lfm2MoeSparseMoeBlock", "gate", _lfm2_moe_rule, correction_bias_attr="expert_bias",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="sigmoid top-k in the input dtype, optional selection bias held by the block (use_expert_bias), "
+               "routed scaling; HF computes no aux loss (as DeepSeek-V3: native coefficient 0); short-conv hybrid"),
+    FamilySpec("hy_v3", "HYV3MoE", "gate", _hy_v3_rule, shared_attr="shared_experts",
+               correction_bias_attr="e_score_correction_bias", fp32_combine_field="enable_moe_fp32_combine",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="fp32 sigmoid top-k, selection bias held by the block, routed scaling, shared expert summed in "
+               "fp32 (enable_moe_fp32_combine); HF computes no aux loss (native coefficient 0)"),
+)
+_ADDED_OWN += (
+    FamilySpec("afmoe", "AfmoeSparseMoeBlock", "router", _afmoe_rule, router_weight_attr="gate.weight",
+               shared_attr="shared_experts", shared_after_router=True, correction_bias_attr="expert_bias",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="sigmoid top-k of the fp32-cast logits, selection bias held by the block, route_scale, shared "
+               "experts; router weight in a wrapped Linear; HF computes no aux loss (native coefficient 0)"),
+    FamilySpec("hunyuan_v1_moe", "HunYuanMoEV1Moe", "gate", _hunyuan_rule, router_weight_attr="wg.weight",
+               shared_attr="shared_mlp", shared_first=True, aux_loss="switch", aux_loss_field=None,
+               notes="softmax top-k renormalised, router weight in a wrapped Linear (gate.wg; fp32 when kept so), "
+               "shared MLP; HF computes no aux loss (native 0; an explicit coefficient adds the Switch loss)"),
+)
+_ADDED_OWN += (
+    FamilySpec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "gate", _ernie_rule, shared_attr="shared_experts",
+               shared_first=True, correction_bias_attr="gate.moe_statics.e_score_correction_bias",
+               notes="fp32 softmax top-k selected with a [1, E] correction bias, renormalised (moe_norm_min), weights "
+               "in the input dtype; shared experts (moe_num_shared_experts)"),
+)
+_ADDED_OWN += (
+    FamilySpec("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", "gate", _minimax_m3_rule,
+               shared_attr="shared_experts", shared_first=True, expert_act="apply_gate",
+               output_scaling_field="routed_scaling_factor",
+               notes="sigmoid of the fp32-cast logits + correction bias, renormalised; routed scaling on the mixture "
+               "output; clamped-SwiGLU experts; shared expert"),
+    FamilySpec("beam", "BeamMoE", "gate", _beam_rule, expert_act="apply_gate",
+               output_scaling_field="routed_scaling_factor", aux_loss="sequence", aux_loss_field=None,
+               notes="fp32 sigmoid + correction bias, group-limited top-2-sum, routed scaling on the mixture output, "
+               "fp32 gated activation; HF computes no aux loss (native coefficient 0)"),
+)
+_ADDED_OWN += (
+    FamilySpec("laguna", "LagunaSparseMoeBlock", "gate", _laguna_rule, shared_attr="shared_experts", shared_first=True,
+               output_scaling_field="moe_routed_scaling_factor",
+               notes="sigmoid + correction bias on soft-capped fp32-cast logits, renormalised, weights in the input "
+               "dtype; routed scaling on the mixture output; shared expert"),
+    FamilySpec("kolibri1", "Kolibri1SparseMoeBlock", "gate", _kolibri_rule, shared_attr="shared_experts",
+               aux_loss="sequence", aux_loss_field=None,
+               notes="top-k of fp32 logits + correction bias, weights = sigmoid of the selected logits (renormalised); "
+               "shared expert; HF computes no aux loss (native 0). On CUDA bf16 inference HF takes an fp32-output mm"),
+)
+_ADDED_OWN += (
+    FamilySpec("cohere2_moe", "Cohere2MoeSparseMoeBlock", "gate", _cohere2_moe_rule, shared_attr="shared_experts",
+               shared_combine_field="shared_expert_combination_strategy", aux_loss="switch", aux_loss_field=None,
+               notes="top-k of the logits, then an fp32 softmax over them (or their sigmoid, expert_selection_fn), "
+               "weights in the input dtype; optional shared experts summed or averaged; HF computes no aux loss "
+               "(native 0; an explicit coefficient adds the Switch loss)"),
+)
+FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 
 
 def supported_families() -> list[str]:

@@ -31,6 +31,17 @@ class RoutingRule:
     the masked probabilities; DeepSeek-V3 from the unmasked scores).
     uses_correction_bias: add the router's ``e_score_correction_bias`` for selection only.
     weights_in_logits_dtype: cast the weights back to the logits dtype (else they stay fp32).
+    logits_upcast: router matmul in the input dtype, then the logits cast to fp32 (Granite-MoE).
+    weights_in_input_dtype: the block casts the weights to its input dtype (Granite-MoE, ERNIE, Jamba).
+    renorm_min: the top-k sum is clamped below at this value before dividing (ERNIE 4.5's moe_norm_min).
+    scores_fp32: sigmoid scores of the fp32-cast logits, the logits themselves left in their dtype (MiniMax-M2).
+    logit_softcap: the logits become ``tanh(l / c) * c`` (Laguna's router soft-capping).
+    select_on_logits: top-k reads the logits (+ correction bias); the weights are the sigmoid of the selected
+    logits (Kolibri).
+    topk_softmax_fp32: the softmax over the top-k logits is taken in fp32 (Cohere2-MoE), else in the logits dtype.
+    biased_group_fill: what groups dropped by group-limited selection get on a biased choice (AXK2: 0.0).
+    logits_in_weight_dtype: the tokens are cast to the router weight's dtype before the matmul (MiniMax-M2,
+    Hunyuan: an fp32-kept router weight gives fp32 logits).
     """
 
     score: str
@@ -50,6 +61,15 @@ class RoutingRule:
     weights_in_logits_dtype: bool = True
     sorted_topk: bool = True
     jitter_eps: float = 0.0
+    logits_upcast: bool = False
+    weights_in_input_dtype: bool = False
+    renorm_min: float | None = None
+    scores_fp32: bool = False
+    logits_in_weight_dtype: bool = False
+    logit_softcap: float | None = None
+    select_on_logits: bool = False
+    biased_group_fill: float = float("-inf")
+    topk_softmax_fp32: bool = False
 
     @property
     def normalises_topk(self) -> bool:
@@ -80,6 +100,8 @@ class RoutingRule:
                     "masked (dropped) groups; raise topk_group or lower num_experts_per_tok to avoid it",
                     stacklevel=2,
                 )
+        if self.select_on_logits and self.score != "sigmoid":
+            raise ValueError(f"select_on_logits needs an elementwise (sigmoid) score, got {self.score!r}")
         if self.score == "sparsemixer" and self.top_k not in (1, 2):
             raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k 1 or 2, got {self.top_k}: set "
                              "num_experts_per_tok to 1 or 2")
@@ -89,7 +111,12 @@ def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias
     """Router logits [N, E] for flattened tokens ``x`` [N, H]."""
     if rule.logits_fp32:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return F.linear(x, weight, bias)
+    logits = F.linear(x.to(weight.dtype) if rule.logits_in_weight_dtype else x, weight, bias)
+    if rule.logits_upcast:
+        logits = logits.float()
+    if rule.logit_softcap:
+        logits = torch.tanh(logits / rule.logit_softcap) * rule.logit_softcap
+    return logits
 
 
 def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
@@ -97,7 +124,7 @@ def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
     if rule.score == "softmax":
         return torch.softmax(logits, dim=-1, dtype=torch.float32)
     if rule.score == "sigmoid":
-        return logits.sigmoid()
+        return (logits.float() if rule.scores_fp32 else logits).sigmoid()
     if rule.score == "identity":
         return logits
     # sparsemixer's dense scores are the softmax over all experts
@@ -133,7 +160,7 @@ def _group_limit(
     group_mask = torch.zeros_like(group_scores)
     group_mask.scatter_(1, group_idx, 1)
     keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, rule.num_experts).bool()
-    masked = choice.masked_fill(~keep, rule.group_fill if choice is scores else float("-inf"))
+    masked = choice.masked_fill(~keep, rule.group_fill if choice is scores else rule.biased_group_fill)
     has_forced = forced is not None and forced.numel() > 0
     if not rule.group_masks_weights:
         return masked, scores
@@ -195,7 +222,7 @@ def select_topk(
             weights = PhimoeMultiplier.apply(logits, weights, chosen, gates, heun)
         return weights, chosen
     scores = scores_from_logits(rule, logits)
-    choice = scores
+    choice = logits if rule.select_on_logits else scores
     if rule.uses_correction_bias and correction_bias is not None:
         choice = choice + correction_bias
     if selection_bias is not None:
@@ -212,12 +239,16 @@ def select_topk(
     if append is not None and append.numel():
         indices = torch.cat([indices, append.to(indices.device).expand(indices.shape[0], -1)], dim=1)
         weights = scores.gather(1, indices)
+    elif rule.select_on_logits:  # the score of the selected logits (as Kolibri: CPU sigmoid kernels round by size)
+        weights = scores_from_logits(rule, logits.gather(1, indices))
     else:
         weights = top_choice if choice is scores else scores.gather(1, indices)
     if rule.softmax_over_topk:
-        weights = torch.softmax(weights, dim=1, dtype=weights.dtype)
+        weights = torch.softmax(weights, dim=1, dtype=torch.float32 if rule.topk_softmax_fp32 else weights.dtype)
     if rule.renormalize:
         denominator = weights.sum(dim=-1, keepdim=True)
+        if rule.renorm_min is not None:
+            denominator = torch.clamp(denominator, min=rule.renorm_min)
         if rule.renorm_eps:
             denominator = denominator + rule.renorm_eps
         weights = weights / denominator

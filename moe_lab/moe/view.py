@@ -27,6 +27,12 @@ class MoELayerView:
     rule: RoutingRule
     block: nn.Module
     config: object = None  # the HF model config
+    installed: nn.Module | None = None  # the moe-lab block in the model while installed (it owns block's tensors)
+
+    @property
+    def module(self) -> nn.Module:
+        """The block currently in the model: the moe-lab block while installed, else the HF block."""
+        return self.installed if self.installed is not None else self.block
 
     @property
     def router(self) -> nn.Module:
@@ -38,7 +44,7 @@ class MoELayerView:
 
     @property
     def shared(self) -> nn.Module | None:
-        return getattr(self.block, self.spec.shared_attr) if self.spec.shared_attr else None
+        return getattr(self.block, self.spec.shared_attr, None) if self.spec.shared_attr else None
 
     @property
     def shared_gate(self) -> nn.Module | None:
@@ -46,7 +52,8 @@ class MoELayerView:
 
     @property
     def router_weight(self) -> torch.Tensor:
-        return self.router.weight
+        """The router's [E, H] weight (registry ``router_weight_attr``: the router's own, or a wrapped Linear's)."""
+        return self.router.get_parameter(self.spec.router_weight_attr)
 
     @property
     def router_bias(self) -> torch.Tensor | None:
@@ -56,8 +63,13 @@ class MoELayerView:
 
     @property
     def correction_bias(self) -> torch.Tensor | None:
-        """DeepSeek-V3's selection-only ``e_score_correction_bias``; None elsewhere."""
-        return getattr(self.router, "e_score_correction_bias", None)
+        """The selection-only bias [E] (DeepSeek-V3's router ``e_score_correction_bias``, or the block's own buffer
+        named by the registry's ``correction_bias_attr``); None for routers without one."""
+        if self.spec.correction_bias_attr is None:
+            return getattr(self.router, "e_score_correction_bias", None)
+        owner, _, name = self.spec.correction_bias_attr.rpartition(".")
+        bias = getattr(self.module.get_submodule(owner), name, None)
+        return None if bias is None else bias.view(-1)  # ERNIE keeps it as [1, E]
 
     @property
     def gate_up_proj(self) -> torch.Tensor:

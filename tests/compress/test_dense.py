@@ -13,11 +13,15 @@ from moe_lab.compress import calibrate
 from moe_lab.compress.dense import DenseBuilder, LayerPlan, export_compressed, to_dense
 from moe_lab.compress.grouping import GROUPINGS
 from moe_lab.moe.experts import expert_forward
+from moe_lab.moe.registry import FAMILIES
 from moe_lab.moe.routing import router_logits, select_topk
 from moe_lab.moe.view import find_moe_layers
-from tests.conftest import assert_same_weights, build_tiny, random_batch, rehomed
+from tests.conftest import ADDED_FAMILIES, assert_same_weights, build_tiny, random_batch, rehomed
 
 DENSE_FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral"]
+# + every added family with a dense target, under -m slow (suite time)
+DENSE_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=pytest.mark.slow) for f in ADDED_FAMILIES
+                                 if FAMILIES[f].dense_target is not None]
 # fp32 tolerance for sums of ~k*I products of O(1) terms computed in a different order
 ATOL = 64 * torch.finfo(torch.float32).eps
 
@@ -38,7 +42,7 @@ def _block_out(module, x):
     return (out[0] if isinstance(out, tuple) else out)[0]
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", DENSE_PARAMS)
 def test_block_concatenation_equals_sum_of_scaled_representatives(family):
     """Dense FFN == shared(x) + sum_g alpha_g f_g(x) for random singleton plans and random alpha (test 1),
     and the block order does not matter (test 2)."""
@@ -73,7 +77,7 @@ def test_block_concatenation_equals_sum_of_scaled_representatives(family):
             builder.write(plans)
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", DENSE_PARAMS)
 def test_per_token_moe_equivalence(family):
     """K = k, S = S(t0), alpha = w(t0): the dense FFN on x(t0) equals the MoE block on x(t0) (test 5)."""
     teacher, _ = _teacher(family)
@@ -94,7 +98,7 @@ def test_per_token_moe_equivalence(family):
             torch.testing.assert_close(got, want, rtol=0, atol=ATOL * float(want.abs().max() + 1))
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", DENSE_PARAMS)
 def test_all_experts_zero_router_whole_model_equals_moe(family):
     """k = E and a zero router (every weight 1/E): the uniform-scaling student's logits equal the MoE's."""
     extra = {"deepseek_v3": {"routed_scaling_factor": 1.0, "topk_group": 2}}.get(family, {})
@@ -110,7 +114,7 @@ def test_all_experts_zero_router_whole_model_equals_moe(family):
     torch.testing.assert_close(_logits(student, batch), want, rtol=0, atol=ATOL * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", DENSE_PARAMS)
 def test_copied_parameters_and_vanilla_reload(family, tmp_path):
     """Embeddings, attention, norms, lm_head bit-identical (test 16); the export reloads in vanilla
     transformers with identical weights and, in aligned memory, identical logits; the manifest records the plan."""

@@ -17,7 +17,7 @@ import transformers
 
 import moe_lab
 from moe_lab.moe.block import MoEBlock
-from tests.conftest import FAMILIES, build_tiny, random_batch
+from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, hf_route, random_batch
 
 # HF's own DeepseekV3ModelTester: top_k=8 > the 4 experts reachable in topk_group=1 of n_group=2 groups
 HF_TESTER_DEEPSEEK_V3 = {
@@ -26,10 +26,13 @@ HF_TESTER_DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 16, "q_lora_rank": 32,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
 }
-VARIANTS = [(f, {}, torch.float32) for f in FAMILIES] + [
+# every registry family in fp32 by default; the core families' other tests by default, the added families' (bf16
+# here, the `family` tests below, the method x family tests elsewhere) under `-m slow` (suite time)
+VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     # bfloat16: every dtype cast of the HF blocks (router weights back to the logits dtype or not, expert
     # outputs into the accumulator) is reproduced
     *[(f, {}, torch.bfloat16) for f in FAMILIES],
+    *[pytest.param(f, {}, torch.bfloat16, marks=pytest.mark.slow) for f in ADDED_FAMILIES],
     ("deepseek_v3", HF_TESTER_DEEPSEEK_V3, torch.float32),
     # V2 group-limited greedy with top_k beyond the kept groups: HF gives those experts weight 0.0
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1,
@@ -37,13 +40,15 @@ VARIANTS = [(f, {}, torch.float32) for f in FAMILIES] + [
     # training-time input jitter (Mixtral once, PhiMoE twice) drawn from the same generator state
     ("mixtral", {"router_jitter_noise": 0.1}, torch.float32),
     ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
+    # Cohere2-MoE's other selection function (sigmoid of the top-k logits) with summed shared experts
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
 ]
 
 
 def _variant_id(value):
     if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method")
-                        or "jitter" in k) or "default"
+        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method",
+                                                                        "expert_selection_fn") or "jitter" in k) or "default"
     return str(value).removeprefix("torch.")
 
 
@@ -81,14 +86,18 @@ def test_forward_and_gradients_equal_vanilla(family, overrides, dtype):
     for a, b in zip(got.router_logits, ref.router_logits):
         _assert_equal(a, b, "router logits")
     ref_params = dict(vanilla.named_parameters())
-    n_grads = 0
     for name, p in ours.named_parameters():
         q = ref_params[name]
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             _assert_equal(p.grad, q.grad, name)
-            n_grads += 1
-    assert n_grads == len(ref_params)
+    # every MoE parameter trains (HF leaves only non-differentiable parts without gradients, e.g. the top-k
+    # token selection of DeepSeek-V3.2's sparse-attention indexer, and frozen selection biases)
+    moe = [p for view in patch.views for p in (*view.router.parameters(), *view.experts.parameters())
+           if p.requires_grad]
+    assert moe and all(p.grad is not None for p in moe)
+    ungraded = [n for n, p in ours.named_parameters() if p.grad is None and p.requires_grad]
+    assert all(".indexer." in n for n in ungraded), ungraded
 
 
 def test_hf_tester_deepseek_v3_is_accepted_with_a_warning():
@@ -156,7 +165,7 @@ def test_counts_match_an_independent_recount(family):
         hf_block = vanilla.get_submodule(view.name)
         x = _block_inputs(vanilla, view.name, batch)
         router = getattr(hf_block, view.spec.router_attr)
-        _, _, idx = router(x.reshape(-1, x.shape[-1]))
+        _, _, idx = hf_route(view, router, x.reshape(-1, x.shape[-1]))
         expected = torch.bincount(idx[real].reshape(-1), minlength=layer.num_experts)
         assert torch.equal(layer.counts, expected), f"layer {layer.index}"
 

@@ -11,9 +11,9 @@ from moe_lab.moe import find_moe_layers, supported_families
 from moe_lab.moe.block import ConventionalRouting
 from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.routing import RoutingRule, select_topk
-from tests.conftest import FAMILIES, build_tiny, tiny_model_cfg
+from tests.conftest import ALL_FAMILIES, build_tiny, hf_route, tiny_model_cfg
 
-VARIANTS = [(f, {}) for f in FAMILIES] + [
+VARIANTS = [(f, {}) for f in ALL_FAMILIES] + [
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
     ("deepseek_v2", {"routed_scaling_factor": 16.0}),
     # top_k beyond the kept groups (HF accepts it): V2 weighs those experts 0.0, V3 reads their scores
@@ -23,6 +23,7 @@ VARIANTS = [(f, {}) for f in FAMILIES] + [
     ("deepseek_v3", {"norm_topk_prob": False}),
     ("olmoe", {"norm_topk_prob": True}),
     ("qwen2_moe", {"num_experts_per_tok": 4}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid"}),
 ]
 
 
@@ -32,7 +33,7 @@ def test_routing_equals_hf_router(family, overrides):
     model = build_tiny(family, **overrides).eval()
     x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     for view in find_moe_layers(model):
-        hf_logits, hf_weights, hf_idx = view.router(x)
+        hf_logits, hf_weights, hf_idx = hf_route(view, view.router, x)
         logits, weights, idx = ConventionalRouting(view)(view.router, x)
         torch.testing.assert_close(logits, hf_logits, rtol=0, atol=0)
         assert torch.equal(idx, hf_idx)
@@ -40,11 +41,13 @@ def test_routing_equals_hf_router(family, overrides):
         assert weights.dtype == hf_weights.dtype
 
 
-def test_supported_families_lists_all_eight():
-    assert supported_families() == sorted(FAMILIES)
+def test_every_registry_family_has_a_tiny_config():
+    assert sorted(ALL_FAMILIES) == supported_families()
+    for family in supported_families():
+        assert tiny_model_cfg(family).family == family
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_expert_slice_forward_equals_hf_experts(family):
     model = build_tiny(family).eval()
     view = find_moe_layers(model)[0]
