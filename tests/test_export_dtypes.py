@@ -75,6 +75,8 @@ def stored(directory) -> dict[str, torch.Tensor]:
 def expected_dtype(key: str, model_type: str) -> torch.dtype:
     if key.endswith(hf_fp32_names(model_type)):
         return torch.float32
+    if key.endswith(".mlp.gates"):  # CD-MoE's fixed gates: kept in fp32 by design (they are a scaling, not weights)
+        return torch.float32
     return torch.int64 if key.endswith("expert_ids") else BF16
 
 

@@ -277,9 +277,13 @@ def check_changes(ckpt: dict, path: Path, cfg: DictConfig, field: str) -> dict |
                if old.get(k, "(unset)") != new.get(k, "(unset)")]
     trajectory = [c for c in changes if c[0].startswith(TRAJECTORY)]
     if trajectory and not cfg.task.get("allow_resume_changes"):
+        from .checkpoint_io import checkpoint_label
+
         listed = "; ".join(f"{k}: {a} -> {b}" for k, a, b in trajectory)
+        labels = (f"the checkpoint is {checkpoint_label(ckpt, path)}, the config is "
+                  f"{OmegaConf.select(cfg, 'model.name')} / {OmegaConf.select(cfg, 'method.name')}")
         raise ValueError(
-            f"{field}={path}: this run changes what the checkpoint's run trained on ({listed}), so the rest of it "
+            f"{field}={path}: {labels}; this run changes what the checkpoint's run trained on ({listed}), so the rest of it "
             "would not continue that run. Resume with the run's own settings (task.resume=<run dir> re-applies its "
             f"overrides; drop the ones above), or pass {ALLOW_FIELD}=true to continue with the changes")
     for key, before, after in changes:

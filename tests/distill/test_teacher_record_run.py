@@ -7,6 +7,8 @@ batches the Trainer actually feeds (captured by a callback), KD computed from th
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import lightning as L
@@ -101,7 +103,9 @@ def test_resume_is_exact(recorded):
     # without the cursor the resumed run would restart at the record's first batch: refused
     del ckpt["moe_lab_kd"]["teacher_logits"]
     torch.save(ckpt, tmp / "no_cursor.ckpt")
-    marker_path(tmp / "no_cursor.ckpt").write_text(marker_path(step2).read_text())
+    marker = json.loads(marker_path(step2).read_text())  # a valid marker: the new file's own content hash
+    marker["sha256"] = {"no_cursor.ckpt": hashlib.sha256((tmp / "no_cursor.ckpt").read_bytes()).hexdigest()}
+    marker_path(tmp / "no_cursor.ckpt").write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="no teacher-record position"):
         run_task(kd_cfg(tmp, tmp / "resumed2", "task=finetune", f"method.options.teacher_logits={recorded['file']}",
                         f"task.ckpt_path={tmp / 'no_cursor.ckpt'}"))
