@@ -153,15 +153,9 @@ def _gpt_oss_rule(config) -> RoutingRule:
 
 
 def _granite_rule(config) -> RoutingRule:
-    return RoutingRule(
-        score="identity",
-        top_k=config.num_experts_per_tok,
-        num_experts=_num_experts(config),
-        softmax_over_topk=True,
-        logits_upcast=True,
-        weights_in_logits_dtype=False,
-        weights_in_input_dtype=True,
-    )
+    """GPT-OSS's top-k-then-softmax, with Granite's dtypes (fp32 logits, weights back in the input dtype)."""
+    return dataclasses.replace(_gpt_oss_rule(config), logits_upcast=True, weights_in_logits_dtype=False,
+                               weights_in_input_dtype=True)
 
 
 def _fp32_rule(score: str, config) -> RoutingRule:
