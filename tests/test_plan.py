@@ -25,7 +25,11 @@ from moe_lab.tasks.plan import optimizer_steps, schedule_points
 from moe_lab.tasks.preflight import check_length, preflight
 from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
 
-PRESETS = real_model_presets()
+#: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE
+#: architectures only, so plan=true refuses them naming the missing MoE field; not planned here (issue 18's D2D
+#: baseline postdates plan=true)
+DENSE_PRESETS = ("moe_to_dense/d2d_qwen3_32b", "moe_to_dense/d2d_distill_qwen3_32b")
+PRESETS = [p for p in real_model_presets() if p not in DENSE_PRESETS]
 
 
 # --------------------------------------------------------------------------------------------------------------

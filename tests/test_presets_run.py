@@ -58,7 +58,7 @@ ALL_PRESETS = pytest.mark.skipif(not os.environ.get("MOE_LAB_ALL_PRESETS"),
 def _param(preset: str):
     return preset if preset in REPRESENTATIVE else pytest.param(preset, marks=[pytest.mark.all_presets, ALL_PRESETS])
 TINY_TOP_K, TINY_MOE_LAYERS = 2, 2  # every conf/model/tiny_*.yaml: 8 experts, top-2, 2 MoE layers
-SEARCH = {"num_sequences": 4, "seq_len": 16, "batch_size": 2, "sample": "first"}
+SEARCH = {"num_sequences": 4, "seq_len": 16, "batch_size": 2, "sample": "documents"}  # the presets' own mode
 
 
 def _size_overrides(cfg) -> list[str]:
@@ -147,12 +147,11 @@ def test_preset_runs_on_its_tiny_sibling(preset, tmp_path):
         assert "train_loss.png" in summary["plots"]
 
 
-# h17b: the condenser's bias warm-up (method.options.warmup_steps=100 bias updates, frozen weights) is longer than
-# a tiny epoch; h17b redesigns it (a forward-only pre-phase). Until then the flagship method runs here with one
-# warm-up update and 2 optimizer steps (accumulation 1), so that condensers are chosen and trained with.
+# The condensers are chosen by the forward-only pre-phase before step 0 (one bias update here, on the tiny data),
+# then the run trains all its 2 optimizer steps (accumulation 1) with them.
 def test_flagship_condenser_method_runs_and_chooses_condensers(tmp_path):
     summary = run_preset("condenser/math_olmoe", tmp_path, "method=condenser",
-                         "method.options.warmup_steps=1", "task.trainer.accumulate_grad_batches=1")  # h17b
+                         "method.options.selection_updates=1", "task.trainer.accumulate_grad_batches=1")
     assert summary["global_step"] == 2
     state = json.loads((Path(summary["export"]).parent / "condenser.json").read_text())
     assert [len(layer["forced_experts"]) for layer in state["layers"].values()] == [2] * TINY_MOE_LAYERS

@@ -31,7 +31,10 @@ COMMAND = re.compile(r"^(?:[A-Z_]+=\S+\s+)*python\s")
 TINY = {"olmoe": "tiny_olmoe", "olmoe_0125": "tiny_olmoe", "qwen1_5_moe": "tiny_qwen2_moe",
         "qwen3_moe": "tiny_qwen3_moe", "qwen3_30b_a3b_base": "tiny_qwen3_moe", "deepseek_v2_lite": "tiny_deepseek_v2",
         "deepseek_coder_v2_lite_instruct": "tiny_deepseek_v2", "gpt_oss_20b": "tiny_gpt_oss",
-        "mixtral": "tiny_mixtral", "phimoe": "tiny_phimoe"}
+        "mixtral": "tiny_mixtral", "phimoe": "tiny_phimoe",
+        "deepseek_moe_16b": "tiny_qwen2_moe"}  # DeepSeekMoE-16B converted to Qwen2-MoE (moe_lab.convert)
+#: every hardware choice that needs GPUs (the presets name 8-GPU settings) -> hardware=cpu
+GPU_HARDWARE = sorted(p.stem for p in (ROOT / "conf" / "hardware").glob("*.yaml") if p.stem not in ("cpu", "ddp_cpu"))
 
 SUBSTITUTIONS = {
     # 1. Text of the command (regex -> replacement): real checkpoints, /local files and placeholders. {data} is
@@ -66,7 +69,7 @@ SUBSTITUTIONS = {
     #    it builds it on the meta device, without weights).
     "choice": {
         "model": {real: [f"model={tiny}"] for real, tiny in TINY.items()},
-        "hardware": {"gpu": ["hardware=cpu"]},
+        "hardware": {name: ["hardware=cpu"] for name in GPU_HARDWARE},
         "logger": {"wandb": ["logger=csv"]},
         "dataset": {
             **{name: ["dataset.path={data}/alpaca.json"] for name in (
@@ -119,6 +122,18 @@ NOT_RUNNABLE = {
         "as needing no conversion (tests/test_strategies.py converts ZeRO checkpoints of DeepSpeed's CPU engine)",
     "python -m moe_lab.tasks.checkpoint_io convert <zero dir> <out>":
         "a synopsis; a ZeRO checkpoint directory is written on GPUs (tests/test_strategies.py converts CPU ones)",
+    "python bench/mfu.py": "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",
+    "python bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2":
+        "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",
+    "python -m moe_lab.convert deepseek_moe /local/deepseek-moe-16b-base checkpoints/deepseek-moe-16b-base-qwen2moe":
+        "needs the DeepSeekMoE-16B checkpoint (tests/test_convert.py converts a tiny one in its key layout)",
+    "python run.py experiment=moe_to_dense/d2d_qwen3_32b model.pretrained=/local/Qwen3-32B "
+    "compress.calibration.dataset.path=/local/wiki.train.txt compress.eval.path=/local/wiki.test.raw.txt":
+        "a dense Qwen3-32B: conf/model has no tiny dense sibling (tests/compress/test_d2d.py runs d2d on a tiny "
+        "dense Qwen3)",
+    "python run.py experiment=moe_to_dense/d2d_distill_qwen3_32b model.pretrained=/runs/d2d/export "
+    "method.teacher.pretrained=/local/Qwen3-32B dataset.path=/local/fineweb_edu.jsonl":
+        "a dense Qwen3-32B teacher and the d2d export above (no tiny dense sibling in conf/model)",
     "python run.py -m ...": "a synopsis (`...`), not a command",
     "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
     "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":

@@ -53,15 +53,16 @@ def test_commands_compose_the_protocol(tmp_path, offload):
 
 @pytest.mark.slow
 def test_flow_on_cpu(tmp_path, capsys):
-    """Three tiny runs on CPU: per-iteration times recorded by the callback, the window means printed; the
-    condenser row, whose bias learning outlasts these 3 steps, is never reported as ExpertCondenser."""
+    """Three tiny runs on CPU: per-iteration times recorded by the callback, the window means printed. The
+    condenser row chooses its condensers in the forward-only pre-phase before step 0, so even 3 steps train with
+    them and the row is reported (the bench checks the run chose condensers)."""
     out = tmp_path / "bench"
     code = bench.main(["--hardware-cpu", "--model", "tiny_olmoe", "--dataset", "synthetic_math", "--gpus", "1",
                        "--global-batch", "2", "--micro-batch", "2", "--warmup", "1", "--iterations", "2",
                        "--window", "1", "--out", str(out), "--", "dataset.num_examples=40"])
     rows = {r["method"]: r for r in json.loads((out / "offload_bench.json").read_text())["rows"]}
-    for method in ("densemixer", "sft"):
+    for method in ("densemixer", "sft", "condenser"):
         assert rows[method]["status"] == "ok" and rows[method]["windows"] == 2, (method, rows[method])
         assert len(json.loads((out / f"{method}_iterations.json").read_text())["iteration_seconds"]) == 3
-    assert rows["condenser"]["status"] != "ok" and code == 1
+    assert code == 0
     assert "method=sft status='ok'" in capsys.readouterr().out
