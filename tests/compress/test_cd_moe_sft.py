@@ -134,7 +134,8 @@ def test_code_recipe_runs_a_c4_stage_first_at_lr_1e5(chain):
     for stage in ("lm", "."):
         with open(tmp / "code" / stage / "metrics.csv") as f:
             lrs = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
-        assert max(lrs) == pytest.approx(1e-5, rel=1e-6)
+        # the code recipe: peak 1e-5, no warm-up, linear decay over the 2 steps: 1e-5 at step 1, 5e-6 at step 2
+        assert lrs and all(min(abs(lr - v) for v in (1e-5, 5e-6)) < 1e-12 for lr in lrs), lrs
     lm, final = _state(summary["lm_stage"]["export"]), _state(summary["sft"]["export"])
     start = _state(first["condense"]["export"])
     [layer] = first["condense"]["layers"]
