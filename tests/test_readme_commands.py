@@ -53,7 +53,9 @@ SUBSTITUTIONS = {
          "{latest:outputs/finetune/tiny_olmoe_sft/*}"),
         (r"<calib>/calibration\.safetensors", "<calib>"),
         (r"<calib run>", "{latest:outputs/calibrate/tiny_qwen3_moe_*/*}"),
-        (r"(deepseek_moe_\w+|model=deepseek_v2_lite) (.*)=(<calib>|\.\.\.)",
+        (r"(deepseek_moe_\w+) (.*)=(<calib>|\.\.\.)",  # DeepSeekMoE-16B's tiny sibling: Qwen2-MoE (converted)
+         r"\1 \2={latest:outputs/calibrate/tiny_qwen2_moe_*/*}/calibration.safetensors"),
+        (r"(model=deepseek_v2_lite) (.*)=(<calib>|\.\.\.)",
          r"\1 \2={latest:outputs/calibrate/tiny_deepseek_v2_*/*}/calibration.safetensors"),
         (r"multirun/(finetune|evaluate)/<time>", r"{latest:multirun/\1/*}"),
         (r"\$\{?t\}?", "intent"),  # the ESFT-task loop variable: its first value
@@ -134,6 +136,15 @@ NOT_RUNNABLE = {
     "python run.py experiment=moe_to_dense/d2d_distill_qwen3_32b model.pretrained=/runs/d2d/export "
     "method.teacher.pretrained=/local/Qwen3-32B dataset.path=/local/fineweb_edu.jsonl":
         "a dense Qwen3-32B teacher and the d2d export above (no tiny dense sibling in conf/model)",
+    "python scripts/stack_versions.py": "prints the installed stack; .ci/run runs it, tests/test_dependencies.py "
+        "tests it",
+    "python bench/offload.py --gpus 8 -- model.pretrained=<DeepSeek-V2-Lite> dataset.path=<math_7k.json>":
+        "needs 8 GPUs under DeepSpeed offload (tests/analysis/test_offload_bench.py runs its flow on CPU)",
+    "python run.py -m experiment=moe_to_dense/qwen3_30b_a3b_kprime":
+        "k' = 16..96 of Qwen3-30B-A3B's 128 experts: the tiny sibling has 8 (tests/distill/test_teacher.py "
+        "checks both widened-teacher readings)",
+    "python run.py -m experiment=moe_to_dense/qwen3_30b_a3b method.options.teacher_top_k=128":
+        "k' = 128 of Qwen3-30B-A3B's 128 experts: the tiny sibling has 8",
     "python run.py -m ...": "a synopsis (`...`), not a command",
     "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
     "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":
