@@ -20,8 +20,8 @@ the wall time at the end of every optimizer step. Validation, observability call
   paper's "parameter offloading". moe-lab refuses DenseMixer under ZeRO-3 (``moe_lab.strategies``): its row
   reports the refusal and the speed-ups are taken against SFT.
 The condenser run exports its model so ``condenser.json`` can be checked for chosen condensers. A row whose
-condensers were never chosen is reported as such, not as ExpertCondenser. Its bias learning must also end inside
-the warm-up: check the protocol line the run prints at its start.
+condensers were never chosen is reported as such, not as ExpertCondenser. The condensers are chosen by the
+forward-only pre-phase before step 0 (outside the timed iterations): the run's start line says on how many tokens.
 
     python bench/offload.py --model deepseek_v2_lite --dataset math7k --gpus 8 -- \\
         model.pretrained=/local/DeepSeek-V2-Lite dataset.path=/local/math_7k.json
