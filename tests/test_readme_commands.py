@@ -378,8 +378,12 @@ def run_plan(plan: Path) -> None:
     sys.path.insert(0, str(ROOT))
     write_data(data, cwd)
     results, queue, deferred = [], list(spec["commands"]), set()
+    started = 0.0
     while queue:
+        if int(time.time()) == int(started):  # run dirs are named to the second: two runs started in one second
+            time.sleep(1.01 - time.time() % 1)  # would share a dir, and the second refuses to overwrite the first
         command, t0 = queue.pop(0), time.time()
+        started = t0
         try:
             env, argv = substitute(command, data)
             print(f"\n==== README command: {command}\n==== runs as: {' '.join(argv)}", flush=True)
