@@ -15,6 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+log = logging.getLogger("moe_lab.run")
+
 NOISE = {  # logger name -> message fragments dropped from the console and run.log
     "lightning.pytorch.utilities.rank_zero": ("litlogger",),
     "DeepSpeed": ("Setting accelerator to CPU",),
@@ -219,6 +221,24 @@ def write_run_files(cfg: DictConfig, out: Path, subdir: str | None) -> None:
             (hydra_dir / name).write_text(OmegaConf.to_yaml(node))
 
 
+def shorten_dataset(cfg: DictConfig, overrides: list[str] | None = None) -> None:
+    """``debug_dataset`` (set by ``debug=fast``): each of its keys the chosen dataset has, and the command line
+    does not set, is set on ``cfg.dataset``; one line names what was shortened."""
+    from hydra.core.hydra_config import HydraConfig
+
+    shorter = cfg.get("debug_dataset")
+    if not shorter or cfg.get("dataset") is None:
+        return
+    if overrides is None:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else sys.argv[1:]
+    given = {_key(a) for a in overrides}
+    changed = {k: v for k, v in shorter.items() if k in cfg.dataset and f"dataset.{k}" not in given}
+    for key, value in changed.items():
+        cfg.dataset[key] = value
+    if changed:
+        log.info("debug_dataset: %s", ", ".join(f"dataset.{k}={v}" for k, v in changed.items()))
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
     summary = execute(cfg)
@@ -245,6 +265,7 @@ def execute(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_open_maps(cfg, sys.argv[1:])
+    shorten_dataset(cfg)
     defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))
     if _DEFERRED_SUBDIR is None:
         accept_run()  # a new run directory: written now

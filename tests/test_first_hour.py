@@ -393,3 +393,29 @@ def test_resume_in_the_same_directory_keeps_updating_last_ckpt(tmp_path):
     fit(7, [], ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["last.ckpt"]
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 6  # every 3 steps
+
+
+@pytest.mark.parametrize("dataset, shortened", [
+    (None, {"num_examples": 64, "max_length": 384}),
+    ("text", {"num_blocks": 64, "val_blocks": 4}),
+])
+def test_debug_fast_shortens_the_keys_the_chosen_dataset_has(dataset, shortened):
+    """debug=fast shortens any dataset group (a text dataset has no num_examples: it used to fail to build), and a
+    key given on the command line wins."""
+    from hydra import compose, initialize_config_dir
+
+    import run
+
+    given = [f"dataset={dataset}"] if dataset else []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=fast", *given, "dataset.batch_size=3"])
+        default = compose("config", overrides=given)
+    run.shorten_dataset(cfg, ["debug=fast", *given, "dataset.batch_size=3"])
+    got = OmegaConf.to_container(cfg.dataset)
+    for key, value in OmegaConf.to_container(default.dataset).items():
+        assert got[key] == shortened.get(key, 3 if key == "batch_size" else value), key
+    key = next(iter(shortened))
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=fast", *given, f"dataset.{key}=7"])
+    run.shorten_dataset(cfg, ["debug=fast", *given, f"dataset.{key}=7"])
+    assert cfg.dataset[key] == 7

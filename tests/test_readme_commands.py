@@ -148,22 +148,6 @@ NOT_RUNNABLE = {
     "MOE_LAB_ALL_PRESETS=1 python -m pytest -m all_presets tests/test_presets_run.py":
         "an opt-in test set (tests/test_presets_run.py), not a run",
     "MOE_LAB_ALL_FAMILIES=1 python -m pytest -m all_families": "an opt-in test set, not a run",
-    # FAILS TODAY through this runner (found at the end of the 2026-11-26 session, cause not yet traced; issue 23
-    # stays open for them): listed so the failure is named here instead of hidden
-    "python run.py experiment=olmoe_math_sft": "FAILS TODAY through the runner (issue 23 open)",
-    "python run.py experiment=condense/deepseek_moe_s condense.calibration_file=<calib>":
-        "FAILS TODAY through the runner: DeepSeekMoE-16B presets on the converted Qwen2-MoE sibling (issue 23 open)",
-    "python run.py experiment=condense/deepseek_moe_sr condense.calibration_file=...":
-        "FAILS TODAY through the runner: DeepSeekMoE-16B presets on the converted Qwen2-MoE sibling (issue 23 open)",
-    "python run.py -m experiment=condense/deepseek_moe_sr condense.expert_selection=random,l1,alpha_hill,greedy "
-    "condense.num_layers=6,9,12,15 condense.calibration_file=<calib>":
-        "FAILS TODAY through the runner: DeepSeekMoE-16B presets on the converted Qwen2-MoE sibling (issue 23 open)",
-    "python run.py -m experiment=condense/deepseek_moe_sr condense.layer_selection=layer_rank,global_layer_rank,"
-    "greedy condense.num_layers=6,9,12,15 condense.calibration_file=<calib>":
-        "FAILS TODAY through the runner: DeepSeekMoE-16B presets on the converted Qwen2-MoE sibling (issue 23 open)",
-    "python run.py -m experiment=condense/deepseek_moe_sr condense.metric=ppl,kl,js condense.num_layers=6,9,12,15 "
-    "condense.calibration_file=<calib>":
-        "FAILS TODAY through the runner: DeepSeekMoE-16B presets on the converted Qwen2-MoE sibling (issue 23 open)",
     "python run.py -m ...": "a synopsis (`...`), not a command",
     "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
     "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 from ..moe import routing
 from ..moe.experts import expert_forward, expert_intermediate_size
@@ -155,13 +158,23 @@ class Calibration:
                     f"{m.get('revision')!r}) but the model has {key}={expected.get(key)!r}: recalibrate this "
                     "model with task=calibrate"
                 )
+        lower_precision = set()
         for view in find_moe_layers(model):
             stored = self.layers[view.index].get("router_weight")
-            if stored is not None and not torch.equal(stored, view.router_weight.detach().float().cpu()):
-                raise ValueError(
-                    f"layer {view.index}: the model's router weights differ from the calibrated ones (another "
-                    "revision or a fine-tuned model?): recalibrate this model with task=calibrate"
-                )
+            live = view.router_weight.detach().cpu()
+            if stored is None or torch.equal(stored, live.float()):
+                continue
+            if live.dtype != stored.dtype and torch.equal(stored.to(live.dtype), live):
+                lower_precision.add(str(live.dtype).removeprefix("torch."))  # the same weights, rounded
+                continue
+            raise ValueError(
+                f"layer {view.index}: the model's router weights differ from the calibrated ones (another "
+                "revision or a fine-tuned model?): recalibrate this model with task=calibrate"
+            )
+        if lower_precision:
+            log.warning("calibration %s was taken on this model's weights at float32; the model now runs in %s "
+                        "(model.dtype): its statistics come from the float32 model", m.get("model"),
+                        ", ".join(sorted(lower_precision)))
 
     def require(self, *names: str, score: str | None = None) -> None:
         """Raise unless every MoE layer holds the statistics ``names``, all finite (naming the missing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -303,3 +304,15 @@ def test_calibrate_task_on_local_text(tmp_path):
     with pytest.raises(ValueError, match="compress.calibration.num_sequences=500"):
         run_task(_compose(tmp_path / "big", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
                           "compress.calibration.num_sequences=500", "compress.calibration.seq_len=16"))
+
+
+def test_the_same_weights_in_a_lower_precision_are_accepted_with_a_warning(caplog):
+    """A float32 calibration of the model the run loads in bf16 (the same weights, rounded) is accepted and says
+    so; a bf16 model whose router differs beyond that rounding is still refused."""
+    model = build_tiny("qwen3_moe")
+    cal = calibrate(model, [random_batch()])
+    with caplog.at_level("WARNING", logger="moe_lab.compress.calibration"):
+        cal.check_compatible(copy.deepcopy(model).to(torch.bfloat16))
+    assert "runs in bfloat16" in caplog.text
+    with pytest.raises(ValueError, match="router weights differ"):
+        cal.check_compatible(build_tiny("qwen3_moe", seed=1).to(torch.bfloat16))
