@@ -53,7 +53,8 @@ SUBSTITUTIONS = {
          "{latest:outputs/finetune/tiny_olmoe_sft/*}"),
         (r"<calib>/calibration\.safetensors", "<calib>"),
         (r"<calib run>", "{latest:outputs/calibrate/tiny_qwen3_moe_*/*}"),
-        (r"(deepseek_moe_\w+) (.*)=(<calib>|\.\.\.)",  # DeepSeekMoE-16B's tiny sibling: Qwen2-MoE (converted)
+        (r"(deepseek_moe_\w+|qwen1_5_moe_\w+) (.*)=(<calib>|\.\.\.)",  # DeepSeekMoE-16B (converted) and Qwen1.5-MoE:
+         #   both have the tiny Qwen2-MoE sibling, whose calibration the DeepSeekMoE calibrate command makes
          r"\1 \2={latest:outputs/calibrate/tiny_qwen2_moe_*/*}/calibration.safetensors"),
         (r"(model=deepseek_v2_lite) (.*)=(<calib>|\.\.\.)",
          r"\1 \2={latest:outputs/calibrate/tiny_deepseek_v2_*/*}/calibration.safetensors"),
@@ -136,8 +137,6 @@ NOT_RUNNABLE = {
     "python run.py experiment=moe_to_dense/d2d_distill_qwen3_32b model.pretrained=/runs/d2d/export "
     "method.teacher.pretrained=/local/Qwen3-32B dataset.path=/local/fineweb_edu.jsonl":
         "a dense Qwen3-32B teacher and the d2d export above (no tiny dense sibling in conf/model)",
-    "python scripts/stack_versions.py": "prints the installed stack; .ci/run runs it, tests/test_dependencies.py "
-        "tests it",
     "python bench/offload.py --gpus 8 -- model.pretrained=<DeepSeek-V2-Lite> dataset.path=<math_7k.json>":
         "needs 8 GPUs under DeepSpeed offload (tests/analysis/test_offload_bench.py runs its flow on CPU)",
     "python run.py -m experiment=moe_to_dense/qwen3_30b_a3b_kprime":
@@ -168,8 +167,6 @@ NOT_RUNNABLE = {
     "task.checkpoint=...": "`...` elides the exports; its lm-eval code tasks need the hub",
     "python run.py -m task=evaluate experiment=densemixer/s1_qwen3_base eval.generation.temperature=0.6 "
     "eval.generation.top_p=0.95 task.checkpoint=...": "`...` elides the exports (the s1 fine-tune above runs)",
-    "python run.py experiment=condense/qwen1_5_moe_s condense.calibration_file=<calib>":
-        "<calib> is a Qwen1.5-MoE calibration, which no README command makes (step 1 shows DeepSeek-V2-Lite's)",
 }
 for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation"):
     NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
@@ -340,6 +337,9 @@ def _run_one(env: dict, argv: list[str]) -> int:
         if argv[0] == "run.py":
             sys.argv = [str(ROOT / "run.py"), *argv[1:]]
             runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+        elif argv[0].endswith(".py"):  # a script of the repository (scripts/, bench/)
+            sys.argv = [str(ROOT / argv[0]), *argv[1:]]
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
         elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
