@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2` on 2 cores: one thread per worker (and its subprocesses), set
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its pool; tiny models gain nothing from more
+
 import pytest
 import torch
 import transformers
