@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from moe_lab.methods.base import sliced_weight_decay
 from tests.conftest import ROOT, build_tiny
 from tests.data.test_data_resume import chat_datamodule, train, write_chat_file
 
@@ -78,3 +79,35 @@ def test_every_method_resumes_bitwise(case, tmp_path, monkeypatch):
     if case.startswith("esft"):  # the optimizer steps only the trained expert slices (leaf views of them)
         assert module.optimizer_layout == "sliced"
     assert_bitwise_equal(straight, resumed, case)
+
+
+def test_sliced_weight_decay_uses_the_current_lr_after_the_optimizer_state_is_loaded():
+    """The root cause of ESFT's drift: ``optimizer.load_state_dict`` (a resume) replaces the param-group dicts,
+    and the decay of the trained slices read its lr from the group dict of the optimizer as built (lr 0 under a
+    warm-up). Oracle, by hand: with zero gradients Adam moves nothing, so a trained slice only decays,
+    ``w -= lr_t * wd * w`` with ``lr_t = 0.1 * t`` (a linear warm-up), and a frozen slice stays as it was."""
+    weight = torch.nn.Parameter(torch.randn(3, 2, 2, generator=torch.Generator().manual_seed(0)))
+    mask = torch.tensor([True, False, True])
+
+    def build():
+        optimizer = torch.optim.AdamW([{"params": [weight], "weight_decay": 0.0}], lr=1.0)
+        sliced_weight_decay(optimizer, [(weight, mask)], 0.5)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.1 * t)
+
+    def step(optimizer, scheduler):
+        weight.grad = torch.zeros_like(weight)
+        optimizer.step()
+        scheduler.step()
+
+    optimizer, scheduler = build()
+    initial, expected = weight.detach().clone(), weight.detach().clone()
+    for t in range(4):
+        if t == 2:  # resume: a new optimizer and schedule loaded from the old ones' state
+            states = optimizer.state_dict(), scheduler.state_dict()
+            optimizer, scheduler = build()
+            optimizer.load_state_dict(states[0])
+            scheduler.load_state_dict(states[1])
+        step(optimizer, scheduler)
+        expected[mask] -= (0.1 * t) * 0.5 * expected[mask]
+    assert torch.equal(weight.detach(), expected)
+    assert not torch.equal(expected[mask], initial[mask]) and torch.equal(expected[~mask], initial[~mask])
