@@ -39,10 +39,13 @@ def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_
 
     Those tensors sit in a zero-decay group; the pre-step hook keeps the trained slices' values and the
     post-step hook subtracts ``lr * weight_decay * value``, which is AdamW's update order exactly.
-    Untrained slices receive zero gradients, so Adam leaves them bit-identical.
+    Untrained slices receive zero gradients, so Adam leaves them bit-identical. The lr is read from the
+    group's POSITION at each step: ``optimizer.load_state_dict`` (a resume) replaces the group dicts, so a
+    group held by reference would keep the lr it had when the optimizer was built (0 under a warm-up).
     """
     masked_params = list(masked_params)
-    lr_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    groups = [group_of[id(p)] for p, _ in masked_params]
     saved: list[torch.Tensor] = []
 
     def keep(opt, args, kwargs):
@@ -50,9 +53,9 @@ def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_
 
     def decay(opt, args, kwargs):
         with torch.no_grad():
-            for (p, mask), before in zip(masked_params, saved):
+            for (p, mask), group, before in zip(masked_params, groups, saved):
                 m = mask.to(p.device)
-                p[m] -= lr_of[id(p)]["lr"] * weight_decay * before
+                p[m] -= opt.param_groups[group]["lr"] * weight_decay * before
         saved.clear()
 
     optimizer.register_step_pre_hook(keep)

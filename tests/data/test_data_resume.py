@@ -18,32 +18,45 @@ from tests.conftest import build_tiny
 N_TRAIN, BATCH = 10, 4  # 3 batches per epoch (4, 4, 2): 6 steps = 2 epochs
 
 
-@pytest.fixture(scope="module")
-def chat_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+def write_chat_file(directory) -> str:
+    """``N_TRAIN`` one-turn arithmetic chats as ``<directory>/chat.jsonl``."""
+    path = directory / "chat.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"{i} + {i + 2} = ?"},
                           {"role": "assistant", "content": f"{2 * i + 2}"}]} for i in range(N_TRAIN)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
-def _datamodule(chat_file, cls=SFTDataModule):
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    return write_chat_file(tmp_path_factory.mktemp("data"))
+
+
+def chat_datamodule(chat_file, cls=SFTDataModule):
     return cls(source="chat", path=chat_file, val_fraction=0.0, max_length=64, batch_size=BATCH, seed=0,
                tokenizer=build_byte_tokenizer())
 
 
-def _fit(datamodule, ckpt_dir=None, ckpt_path=None, save_every=1, **limits):
+def train(datamodule, make_module, ckpt_dir=None, ckpt_path=None, save_every=1, **limits):
+    """Seed 0, ``make_module()``, fit (6 steps unless ``max_steps`` is given; a checkpoint ``step=<n>.ckpt`` every
+    ``save_every`` steps in ``ckpt_dir``; resumed from ``ckpt_path``). Returns the module and its trainer."""
     L.seed_everything(0)
-    module = MoELightningModule(build_tiny("olmoe"), "sft", optim={"lr": 1e-2})
+    module = make_module()
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=save_every,
                                  save_top_k=-1)] \
         if ckpt_dir else []
+    limits = {"max_steps": 6, **limits}
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=ckpt_dir,
-                        **{"max_steps": 6, **limits})
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=ckpt_dir, **limits)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    assert trainer.global_step == 6
+    assert trainer.global_step == (limits["max_steps"] if limits["max_steps"] > 0 else 6)
+    return module, trainer
+
+
+def _fit(datamodule, ckpt_dir=None, ckpt_path=None, save_every=1, **limits):
+    module, _ = train(datamodule, lambda: MoELightningModule(build_tiny("olmoe"), "sft", optim={"lr": 1e-2}),
+                      ckpt_dir, ckpt_path, save_every, **limits)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -56,7 +69,7 @@ def _max_diff(a, b):
 def straight(chat_file, tmp_path_factory):
     """One uninterrupted 6-step run that also writes a checkpoint after every step."""
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
-    return _fit(_datamodule(chat_file), ckpt_dir=str(ckpt_dir)), ckpt_dir
+    return _fit(chat_datamodule(chat_file), ckpt_dir=str(ckpt_dir)), ckpt_dir
 
 
 @pytest.mark.parametrize("stop", [2, 3, 4], ids=["mid_epoch0", "epoch_boundary", "mid_epoch1"])
@@ -67,7 +80,7 @@ def test_resume_equals_uninterrupted_run(chat_file, straight, stop):
     saved = {"epoch": epoch if batches else epoch - 1, "batches": batches or 3, "examples": BATCH * (batches or 3)}
     assert ckpt["SFTDataModule"] == {"train_loader": saved}
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [saved]
-    resumed = _fit(_datamodule(chat_file), ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"))
+    resumed = _fit(chat_datamodule(chat_file), ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"))
     assert _max_diff(resumed, weights) == 0.0
 
 
@@ -75,8 +88,8 @@ def test_resume_when_configure_optimizers_builds_the_loader_first(chat_file, tmp
     """max_epochs set: estimated_stepping_batches builds the train loader before Lightning restores loop
     states (Lightning #20550); the datamodule's own state still puts the loader in place."""
     limits = {"max_steps": -1, "max_epochs": 2}
-    weights = _fit(_datamodule(chat_file), ckpt_dir=str(tmp_path), save_every=4, **limits)
-    resumed = _fit(_datamodule(chat_file), ckpt_path=str(tmp_path / "step=4.ckpt"), **limits)
+    weights = _fit(chat_datamodule(chat_file), ckpt_dir=str(tmp_path), save_every=4, **limits)
+    resumed = _fit(chat_datamodule(chat_file), ckpt_path=str(tmp_path / "step=4.ckpt"), **limits)
     assert _max_diff(resumed, weights) == 0.0
 
 
@@ -93,8 +106,8 @@ class _PlainLoaderDataModule(SFTDataModule):
 
 def test_plain_loader_resume_differs(chat_file, tmp_path):
     """Control: without a resumable loader the same check fails (so the test above can fail)."""
-    weights = _fit(_datamodule(chat_file, _PlainLoaderDataModule), ckpt_dir=str(tmp_path), save_every=4)
-    resumed = _fit(_datamodule(chat_file, _PlainLoaderDataModule), ckpt_path=str(tmp_path / "step=4.ckpt"))
+    weights = _fit(chat_datamodule(chat_file, _PlainLoaderDataModule), ckpt_dir=str(tmp_path), save_every=4)
+    resumed = _fit(chat_datamodule(chat_file, _PlainLoaderDataModule), ckpt_path=str(tmp_path / "step=4.ckpt"))
     assert _max_diff(resumed, weights) > 1e-4
 
 
@@ -164,13 +177,13 @@ def test_sampler_shards_like_distributed_sampler():
 
 def test_position_reaches_the_loader_built_after_another(chat_file):
     """A method may build its own train loader in setup (ESFT scoring) before the checkpoint is restored."""
-    dm = _datamodule(chat_file)
+    dm = chat_datamodule(chat_file)
     dm.setup()
     scoring = dm.train_dataloader()
     _ = next(iter(scoring))
     dm.load_state_dict({"train_loader": {"epoch": 0, "batches": 2}})
     training = dm.train_dataloader()
-    reference = _datamodule(chat_file)
+    reference = chat_datamodule(chat_file)
     reference.setup()
     expected = [x["input_ids"].tolist() for x in reference.train_dataloader()][2:]
     assert [x["input_ids"].tolist() for x in training] == expected
