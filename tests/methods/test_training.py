@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -43,14 +45,14 @@ def _methods() -> list[tuple[str, float | str]]:
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 @pytest.mark.parametrize("method,aux", _methods(), ids=lambda v: str(v))
 def test_twenty_steps_lower_the_loss(method, aux, family):
-    name = method
-    if _undefined(name, build_tiny(family)):  # refused by name
+    name, model = method, build_tiny(family)
+    options = _options(name, copy.deepcopy(model))  # sft is applied to the copy to read the layout
+    if _undefined(name, model):  # refused by name
         with pytest.raises(ValueError, match=f"{name} is not defined for {family}: "):
-            moe_lab.apply(build_tiny(family), name, **_options(name, build_tiny(family)))
+            moe_lab.apply(model, name, **options)
         return
     torch.manual_seed(0)
-    options = _options(name, build_tiny(family))
-    module = MoELightningModule(build_tiny(family), method=name, options=options, aux_loss_coef=aux,
+    module = MoELightningModule(model, method=name, options=options, aux_loss_coef=aux,
                                 optim={"lr": LR.get(name, 3e-3), "weight_decay": 0.01})
     batches = [random_batch(batch=4, seq=16, seed=s) for s in range(2)]
     losses = []
