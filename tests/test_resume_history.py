@@ -18,7 +18,9 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 
+from moe_lab.tasks.resume import History
 from tests.test_run import run_py
 
 STEPS = 4
@@ -79,3 +81,20 @@ def test_killed_twice_and_resumed_the_run_writes_what_an_uninterrupted_one_does(
     assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(p.name for p in (straight / "plots").iterdir())
     for name in FILES:
         assert (run / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def test_carried_rows_are_written_back_as_they_were(tmp_path):
+    """The rows a resume carries into the new metrics.csv are the old file's text: ``epoch`` stays ``0`` (it was
+    written back as ``0.0``), floats round-trip."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    logger = CSVLogger(old, name="", version="")
+    rows = [{"epoch": 0, "train/loss": 5.967193126678467, "train/tokens": 2844.0},
+            {"epoch": 1, "val/ppl": 308.6605529785156, "lr": 3.0000000000000004e-4}]
+    for step, row in enumerate(rows):
+        logger.log_metrics(row, step=step)
+    logger.log_metrics({"train/loss": 1.0}, step=2)  # at the checkpoint's step: not carried
+    logger.save()
+    resumed = CSVLogger(new, name="", version="")
+    resumed.experiment  # noqa: B018 - the writer exists before the rows go in, as in task=finetune
+    History(old / "checkpoints" / "last.ckpt", 2, new).replay([resumed])
+    assert (new / "metrics.csv").read_text().splitlines() == (old / "metrics.csv").read_text().splitlines()[:3]
