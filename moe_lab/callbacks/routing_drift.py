@@ -207,13 +207,10 @@ class RoutingDriftCallback(Callback):
         if not state_dict:
             return
         self._layer_indices = list(state_dict["layers"])
-        self._ranks = state_dict.get("ranks")
-        if self._ranks is None:  # one process (or a checkpoint of an older moe-lab: rank zero's probe only)
-            self.probe = state_dict["probe"]
-            self.baseline = [RoutingSnapshot(**s) for s in state_dict["baseline"]]
-        else:  # this rank's own is picked in on_train_start
-            self.probe = self._ranks[0]["probe"]
-            self.baseline = [RoutingSnapshot(**s) for s in self._ranks[0]["baseline"]]
+        # one process (or an older moe-lab's DDP checkpoint: rank zero's probe only) saves its own at the top
+        self._ranks = state_dict.get("ranks") or [{k: state_dict[k] for k in ("probe", "baseline")}]
+        self.probe = self._ranks[0]["probe"]  # this rank's own is picked in on_train_start
+        self.baseline = [RoutingSnapshot(**s) for s in self._ranks[0]["baseline"]]
         self._restored = True
 
     def _own_probe(self, trainer: pl.Trainer) -> None:
@@ -228,9 +225,9 @@ class RoutingDriftCallback(Callback):
             mine = [ranks[trainer.global_rank]]
         else:
             if trainer.is_global_zero:
-                log.warning("RoutingDriftCallback: the checkpoint holds the routing-drift probes of %d ranks, this "
-                            "run has %d: every rank probes all of them and rank zero's sums are logged",
-                            len(ranks), trainer.world_size)
+                log.warning("RoutingDriftCallback: the checkpoint holds the routing-drift probes of %d rank(s) (an "
+                            "older moe-lab kept rank zero's only), this run has %d: every rank probes all of them and "
+                            "rank zero's sums are logged", len(ranks), trainer.world_size)
             mine, self._counts = ranks, trainer.is_global_zero
         self.probe = [batch for r in mine for batch in r["probe"]]
         per_layer = zip(*[[RoutingSnapshot(**s) for s in r["baseline"]] for r in mine])
@@ -239,7 +236,7 @@ class RoutingDriftCallback(Callback):
     # hooks ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._restored:  # a new fit: a new probe and baseline
-            self.probe = self.baseline = self._layer_indices = None
+            self.probe = self.baseline = self._layer_indices = self._ranks = None
         self._restored = False
         self.latest = {}
 
