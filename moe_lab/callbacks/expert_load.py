@@ -144,9 +144,9 @@ class ExpertLoadCallback(Callback):
         self._log_window, self._heat_window = CountWindow(), CountWindow()
         if restored is None:
             if step:
-                log.info("ExpertLoadCallback: the checkpoint holds no load window (an older moe-lab, or a run without this "
-                         "callback): the first "
-                         "load/* values and heatmap after the resume cover the steps from %d only", step)
+                log.info("ExpertLoadCallback: the checkpoint holds no load window (an older moe-lab, or a run "
+                         "without this callback): the first load/* values and heatmap after the resume cover the "
+                         "steps from %d only", step)
             self._log_window.open(totals, step)
             self._heat_window.open(totals.clone(), step)
         else:
