@@ -4,6 +4,7 @@ vanilla HF export."""
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -115,12 +116,21 @@ def _run_py(*overrides, cwd):
     return proc
 
 
+def csv_rows(path) -> list[dict]:
+    """metrics.csv as written: every row, every non-empty cell as its text."""
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
 @pytest.mark.slow
 def test_ddp_resume_from_a_kept_checkpoint_is_bitwise_exact(tmp_path):
     """Oracle: an uninterrupted 4-step run on 2 gloo processes. A second run continues its kept step=2 checkpoint
-    to step 4; every weight and buffer equals the uninterrupted run's bit for bit."""
-    common = ["debug=fast", "hardware=ddp_cpu", "logger=none", "task.trainer.max_steps=4",
-              "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2", "task.export=false"]
+    to step 4; every weight and buffer equals the uninterrupted run's bit for bit, and so do its metrics.csv, row
+    for row and cell for cell (no column is timing), and its heatmaps. The load window (3 steps) and the drift
+    probe (each rank its own validation batch) straddle the checkpoint, so both continue across the resume."""
+    common = ["debug=fast", "hardware=ddp_cpu", "logger=csv", "task.trainer.max_steps=4",
+              "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2", "task.export=false",
+              "callbacks.expert_load.log_every_n_steps=3", "callbacks.routing_drift.every_n_steps=3"]
     first, second = tmp_path / "a", tmp_path / "b"
     _run_py(*common, f"hydra.run.dir={first}", cwd=tmp_path)
     assert json.loads(marker_path(first / "checkpoints" / "step-2.ckpt").read_text())["strategy"] == "ddp"
@@ -132,6 +142,13 @@ def test_ddp_resume_from_a_kept_checkpoint_is_bitwise_exact(tmp_path):
     assert straight["state_dict"].keys() == resumed["state_dict"].keys()
     for key, value in straight["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
+    want, got = csv_rows(first / "metrics.csv"), csv_rows(second / "metrics.csv")
+    assert {"load/gini_mean", "drift/kl_mean", "epoch"} <= {k for row in want for k in row}
+    assert [r.get("step") for r in got] == [r.get("step") for r in want]
+    for row, (a, b) in enumerate(zip(want, got)):
+        assert a == b, (row, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
+    for name in ("expert_load_step000003.png", "expert_load_step000004.png"):
+        assert (first / "plots" / name).read_bytes() == (second / "plots" / name).read_bytes(), name
 
 
 _WRITE_ZERO = '''

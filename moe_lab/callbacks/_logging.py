@@ -28,6 +28,24 @@ def logging_step(trainer: pl.Trainer) -> int:
     return int(step) if step is not None else max(trainer.global_step - 1, 0)
 
 
+def ends_training(trainer: pl.Trainer) -> bool:
+    """True in ``on_train_batch_end`` of the optimizer step that ends the fit by its limits: ``max_steps``
+    reached, or the last batch of the last epoch (``max_epochs``).
+
+    The callbacks write their end-of-training logging here rather than in ``on_train_end``: it then comes
+    before the checkpoint of that step (``LastStepCheckpoint``, Lightning's epoch-end save), so a run killed
+    after its last checkpoint has lost nothing, and a resume from that checkpoint, which trains nothing
+    (Lightning skips the fit loop and ``on_train_end``), need not write it. ``on_train_end`` stays the
+    fallback for other ends (early stopping, ``trainer.should_stop``)."""
+    max_steps, max_epochs = getattr(trainer, "max_steps", None), getattr(trainer, "max_epochs", None)
+    if max_steps is not None and 0 < max_steps <= trainer.global_step:
+        return True
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    last_batch = getattr(getattr(loop, "batch_progress", None), "is_last_batch", False) is True
+    return bool(max_epochs is not None and max_epochs >= 0 and last_batch
+                and getattr(trainer, "current_epoch", 0) + 1 >= max_epochs)
+
+
 def wandb_loggers(trainer: pl.Trainer) -> list[WandbLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
 

@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from moe_lab.analysis.load_stats import load_summary
 
 from ._dense import without_moe_layers
-from ._logging import log_metrics, logging_step, wandb_loggers
+from ._logging import ends_training, log_metrics, logging_step, wandb_loggers
+from ._windows import CountWindow, log
 from .wandb_media import log_lorenz
 
 
@@ -52,6 +53,11 @@ class ExpertLoadCallback(Callback):
     (:func:`~moe_lab.callbacks.wandb_media.log_lorenz`). ``0`` disables
     the heatmaps (or the metrics, for ``log_every_n_steps``).
 
+    Across a resume both windows continue: the counts of their steps before the checkpoint, summed over ranks,
+    are in the checkpoint (:mod:`moe_lab.callbacks._windows`), so a resumed run logs and plots what an
+    uninterrupted one does. The end-of-training heatmap is written at the last optimizer step, before its
+    checkpoint (:func:`~moe_lab.callbacks._logging.ends_training`).
+
     ``self.latest`` holds the last logged metrics (floats) plus ``"step"`` and ``"counts"`` (the reduced
     int64 ``[L, E]`` window counts); ``self.latest_heatmap`` the path of the last heatmap written.
     W&B entries go through ``WandbLogger.log_metrics``/``log_image``, i.e. on Lightning's
@@ -74,10 +80,11 @@ class ExpertLoadCallback(Callback):
         self.plot_dir = None if plot_dir is None else Path(plot_dir)
         self.latest: dict[str, Any] = {}
         self.latest_heatmap: Path | None = None
-        self._log_base: torch.Tensor | None = None
-        self._heat_base: torch.Tensor | None = None
-        self._heat_base_step = 0
+        self._log_window: CountWindow | None = None  # None: a dense model (nothing counted)
+        self._heat_window: CountWindow | None = None
+        self._restored: dict[str, Any] | None = None
         self._last_seen_step: int | None = None
+        self._final_step: int | None = None
 
     # helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -95,13 +102,6 @@ class ExpertLoadCallback(Callback):
             [layer.total_counts.detach().reshape(-1) for layer in self._layers(pl_module)]
         ).clone()
 
-    def _reduced_delta(self, trainer: pl.Trainer, pl_module, base: torch.Tensor):
-        """``(new base, flat CPU int64 counts since base summed over ranks)``; a collective call."""
-        now = self._totals(pl_module)
-        delta = now - base.to(now.device)
-        delta = trainer.strategy.reduce(delta.clone(), reduce_op="sum")
-        return now, delta.detach().to("cpu", torch.long)
-
     def _split(self, pl_module, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, [layer.num_experts for layer in self._layers(pl_module)]))
 
@@ -117,35 +117,65 @@ class ExpertLoadCallback(Callback):
         observed = float(torch.nan_to_num(fractions, nan=0.0).max()) if fractions.numel() else 0.0
         return max(1.0 / top_k, observed)
 
-    # hooks --------------------------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if without_moe_layers(self, pl_module):  # a dense model: nothing to count
-            self._log_base = self._heat_base = None
+    # state --------------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
+        """The open windows (their start and all ranks' counts so far) go into the checkpoint, so the first log
+        and heatmap after a resume cover the same steps as in an uninterrupted run (a collective: every rank
+        writes a checkpoint together)."""
+        if self._log_window is None or self._heat_window is None:
             return
-        base = self._totals(pl_module)
-        self._log_base = base
-        self._heat_base = base.clone()
-        self._heat_base_step = trainer.global_step
-        self._last_seen_step = trainer.global_step
+        totals = self._totals(pl_module)
+        checkpoint.setdefault("callbacks", {})[self.state_key] = {
+            "log": self._log_window.state(trainer, totals), "heatmap": self._heat_window.state(trainer, totals)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict) if state_dict else None
+
+    # hooks --------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._final_step = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restored, self._restored = self._restored, None
+        if without_moe_layers(self, pl_module):  # a dense model: nothing to count
+            self._log_window = self._heat_window = None
+            return
+        totals, step = self._totals(pl_module), trainer.global_step
+        self._log_window, self._heat_window = CountWindow(), CountWindow()
+        if restored is None:
+            if step:
+                log.info("ExpertLoadCallback: the checkpoint holds no load window (an older moe-lab, or a run "
+                         "without this callback): the first load/* values and heatmap after the resume cover the "
+                         "steps from %d only", step)
+            self._log_window.open(totals, step)
+            self._heat_window.open(totals.clone(), step)
+        else:
+            self._log_window.resume(totals, step, restored.get("log"), "ExpertLoadCallback load/*")
+            self._heat_window.resume(totals.clone(), step, restored.get("heatmap"), "ExpertLoadCallback heatmap")
+        self._last_seen_step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self._log_base is None or step == self._last_seen_step:  # dense model, or accumulating micro-batch
+        if self._log_window is None or step == self._last_seen_step:  # dense model, or accumulating micro-batch
             return
         self._last_seen_step = step
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:
             self._log_stats(trainer, pl_module, step)
         if self.heatmap_every_n_steps and step % self.heatmap_every_n_steps == 0:
             self._heatmap(trainer, pl_module, step)
+        elif self.heatmap_every_n_steps and ends_training(trainer):  # before the last checkpoint (item 27)
+            self._heatmap(trainer, pl_module, step, final=True)
+        if ends_training(trainer):
+            self._final_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.heatmap_every_n_steps and self._heat_base is not None:
+        if self.heatmap_every_n_steps and self._heat_window is not None and self._final_step != trainer.global_step:
             self._heatmap(trainer, pl_module, trainer.global_step, final=True)
 
     # work ---------------------------------------------------------------------------------
     def _log_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        assert self._log_base is not None
-        self._log_base, flat = self._reduced_delta(trainer, pl_module, self._log_base)
+        assert self._log_window is not None
+        _, flat = self._log_window.close(trainer, self._totals(pl_module), step)
         layers = self._layers(pl_module)
         metrics: dict[str, float] = {}
         histograms: dict[str, torch.Tensor] = {}
@@ -177,9 +207,8 @@ class ExpertLoadCallback(Callback):
         log_metrics(trainer, pl_module, metrics, logging_step(trainer), wandb_extra=extra)
 
     def _heatmap(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, final: bool = False):
-        assert self._heat_base is not None
-        self._heat_base, flat = self._reduced_delta(trainer, pl_module, self._heat_base)
-        start, self._heat_base_step = self._heat_base_step, step
+        assert self._heat_window is not None
+        start, flat = self._heat_window.close(trainer, self._totals(pl_module), step)
         if flat.sum() == 0:  # nothing routed since the last heatmap (e.g. train end right after one)
             return None
         if not trainer.is_global_zero:

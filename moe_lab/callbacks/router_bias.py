@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ._dense import without_moe_layers
-from ._logging import log_metrics, logging_step, wandb_loggers
+from ._logging import ends_training, log_metrics, logging_step, wandb_loggers
+
+log = logging.getLogger("moe_lab.callbacks")
 
 PLOT_NAME = "router_bias_trajectory.png"
 CSV_NAME = "router_bias_trajectory.csv"
@@ -56,8 +59,10 @@ class RouterBiasCallback(Callback):
       batch); with W&B also ``router_bias/layer{i}/histogram`` (the layer's bias values).
     * The trajectory: every layer's bias vector at the start of training, every ``record_every_n_steps``
       optimizer steps (None: ``log_every_n_steps``, or every step if that is 0), at the step the condensers
-      were chosen and at the end, kept in memory (``float32``, layers x experts per record). A resumed run
-      starts a new trajectory at the restored step; the condenser choice step is kept in the checkpoint.
+      were chosen and at the end, kept in memory (``float32``, layers x experts per record) and in the
+      checkpoint: a resumed run continues the whole trajectory, with the condenser choice step. The end's
+      record and plot come at the last optimizer step, before its checkpoint
+      (:func:`~moe_lab.callbacks._logging.ends_training`).
     * Every ``plot_every_n_steps`` optimizer steps (0: only at the end) and at the end of training:
       ``router_bias_trajectory.png`` (one panel per layer, one line per expert, condensers in bold red, a
       dashed line at the choice step; :func:`moe_lab.analysis.bias_plots.bias_trajectory_plot`) and
@@ -94,31 +99,41 @@ class RouterBiasCallback(Callback):
         self._records: list[torch.Tensor] = []
         self._layers: list = []
         self._restored = False
+        self._trajectory: dict[str, Any] | None = None  # the trajectory of a checkpoint, until on_train_start
         self._last_seen_step: int | None = None
+        self._final_step: int | None = None
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"chosen_at": dict(self.chosen_at), "condensers": {k: list(v) for k, v in self.condensers.items()}}
+        state = {"chosen_at": dict(self.chosen_at), "condensers": {k: list(v) for k, v in self.condensers.items()}}
+        if self._records:  # the trajectory so far (the same on every rank), continued by a resumed run
+            state["trajectory"] = {"steps": list(self._steps), "biases": torch.stack(self._records)}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.chosen_at = {int(k): int(v) for k, v in state_dict.get("chosen_at", {}).items()}
         self.condensers = {int(k): list(v) for k, v in state_dict.get("condensers", {}).items()}
+        self._trajectory = state_dict.get("trajectory")
         self._restored = True
 
     # hooks ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._restored:
-            self.chosen_at, self.condensers = {}, {}
+            self.chosen_at, self.condensers, self._trajectory = {}, {}, None
         self._restored = False
-        self.latest, self.latest_plot = {}, None
+        self.latest, self.latest_plot, self._final_step = {}, None, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._layers = [] if without_moe_layers(self, pl_module) else bias_layers(pl_module)
         self._steps, self._records = [], []
         self._last_seen_step = trainer.global_step
-        if self._layers:
-            self._note_condensers(trainer.global_step)
-            self._record(trainer.global_step)
+        trajectory, self._trajectory = self._trajectory, None
+        if not self._layers:
+            return
+        if trajectory is not None and self._continue(trajectory, trainer.global_step):
+            return  # the checkpoint's step is recorded in it if it is one of the recorded steps
+        self._note_condensers(trainer.global_step)
+        self._record(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -130,18 +145,37 @@ class RouterBiasCallback(Callback):
             self._record(step)
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:
             self._log(trainer, pl_module, step)
-        if self.plot_every_n_steps and step % self.plot_every_n_steps == 0:
+        if ends_training(trainer):  # the end-of-training record and plot, before the last checkpoint (item 27)
+            self._finish(trainer)
+        elif self.plot_every_n_steps and step % self.plot_every_n_steps == 0:
             self._write(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._layers:
-            return
+        if self._layers and self._final_step != trainer.global_step:
+            self._finish(trainer)
+
+    # work -------------------------------------------------------------------------------------
+    def _finish(self, trainer: pl.Trainer) -> None:
         if self._steps[-1] != trainer.global_step:
             self._note_condensers(trainer.global_step)
             self._record(trainer.global_step)
         self._write(trainer, final=True)
+        self._final_step = trainer.global_step
 
-    # work -------------------------------------------------------------------------------------
+    def _continue(self, trajectory: dict[str, Any], step: int) -> bool:
+        """Continue a checkpoint's trajectory (its records up to the resumed ``step``); False, with one log line,
+        when it does not fit this model's biases."""
+        biases, steps = trajectory["biases"], [int(s) for s in trajectory["steps"]]
+        width = sum(layer.bias.numel() for layer in self._layers)
+        if biases.dim() != 2 or biases.shape[1] != width or len(steps) != biases.shape[0]:
+            log.warning("RouterBiasCallback: the checkpoint's bias trajectory has shape %s, this model's biases %d "
+                        "values: the trajectory starts again at step %d", tuple(biases.shape), width, step)
+            return False
+        keep = [i for i, s in enumerate(steps) if s <= step]
+        self._steps = [steps[i] for i in keep]
+        self._records = [biases[i].float().cpu() for i in keep]
+        return bool(self._records)
+
     def _note_condensers(self, step: int) -> bool:
         """Remember the step at which each layer's condensers appear; True if some appeared now."""
         new = False

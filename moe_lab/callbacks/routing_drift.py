@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
@@ -17,7 +19,9 @@ from moe_lab.data.packing import is_packed, model_inputs, real_token_mask
 from moe_lab.strategies import model_forward
 
 from ._dense import without_moe_layers
-from ._logging import log_metrics, logging_step
+from ._logging import ends_training, log_metrics, logging_step
+
+log = logging.getLogger("moe_lab.callbacks")
 
 
 def _patch_and_model(pl_module: pl.LightningModule):
@@ -150,8 +154,12 @@ class RoutingDriftCallback(Callback):
     batch); ``self.latest`` holds the last ones plus ``"step"``.
 
     The probe and the baseline are part of the callback's checkpoint state, so a resumed run keeps
-    measuring against the original base model (saved from rank zero: after a resume every rank probes
-    rank zero's batch, which leaves the means unchanged).
+    measuring against the original base model. Under data parallelism every rank's probe and baseline are
+    gathered into the checkpoint and each rank continues with its own, so the resumed run logs what an
+    uninterrupted one does. (A resume on another number of ranks, allowed by ``task.allow_resume_changes``,
+    probes all saved probes on every rank and counts rank zero's sums: the means cover the same tokens.)
+    The end-of-training probe is taken at the last optimizer step, before its checkpoint
+    (:func:`~moe_lab.callbacks._logging.ends_training`), so a run killed after that checkpoint has it logged.
     """
 
     def __init__(self, every_n_steps: int = 50, probe_batches: int = 1):
@@ -171,6 +179,8 @@ class RoutingDriftCallback(Callback):
         self._last_seen_step: int | None = None
         self._last_probe_step: int | None = None
         self._dense = False
+        self._ranks: list[dict[str, Any]] | None = None  # every rank's probe and baseline, from a DDP checkpoint
+        self._counts = True  # this rank's drift sums count (see _own_probe)
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -182,18 +192,51 @@ class RoutingDriftCallback(Callback):
             "baseline": [s.to_dict() for s in self.baseline],
         }
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
+        """Under data parallelism: every rank's probe and baseline into the checkpoint (a collective: every rank
+        writes a checkpoint together, ``Trainer.save_checkpoint``)."""
+        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = self.state_dict()
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, {k: mine.get(k) for k in ("probe", "baseline")} if mine else None)
+        if mine and all(r is not None for r in ranks):
+            checkpoint.setdefault("callbacks", {})[self.state_key] = {"layers": mine["layers"], "ranks": ranks}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self.probe = state_dict["probe"]
         self._layer_indices = list(state_dict["layers"])
-        self.baseline = [RoutingSnapshot(**s) for s in state_dict["baseline"]]
+        # one process (or an older moe-lab's DDP checkpoint: rank zero's probe only) saves its own at the top
+        self._ranks = state_dict.get("ranks") or [{k: state_dict[k] for k in ("probe", "baseline")}]
+        self.probe = self._ranks[0]["probe"]  # this rank's own is picked in on_train_start
+        self.baseline = [RoutingSnapshot(**s) for s in self._ranks[0]["baseline"]]
         self._restored = True
+
+    def _own_probe(self, trainer: pl.Trainer) -> None:
+        """This rank's probe and baseline out of a DDP checkpoint's ``ranks``. On another number of ranks (said in
+        one line) every rank probes all saved probes, the same forward passes on every rank (a sharded model's
+        forward is a collective), and only rank zero's sums count: the means cover the same tokens."""
+        ranks, self._ranks = self._ranks, None
+        self._counts = True
+        if ranks is None:
+            return
+        if len(ranks) == trainer.world_size:
+            mine = [ranks[trainer.global_rank]]
+        else:
+            if trainer.is_global_zero:
+                log.warning("RoutingDriftCallback: the checkpoint holds the routing-drift probes of %d rank(s) (an "
+                            "older moe-lab kept rank zero's only), this run has %d: every rank probes all of them and "
+                            "rank zero's sums are logged", len(ranks), trainer.world_size)
+            mine, self._counts = ranks, trainer.is_global_zero
+        self.probe = [batch for r in mine for batch in r["probe"]]
+        per_layer = zip(*[[RoutingSnapshot(**s) for s in r["baseline"]] for r in mine])
+        self.baseline = [RoutingSnapshot.cat(list(parts)) for parts in per_layer]
 
     # hooks ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._restored:  # a new fit: a new probe and baseline
-            self.probe = self.baseline = self._layer_indices = None
+            self.probe = self.baseline = self._layer_indices = self._ranks = None
         self._restored = False
         self.latest = {}
 
@@ -204,6 +247,7 @@ class RoutingDriftCallback(Callback):
         self._dense = without_moe_layers(self, pl_module)
         if self._dense:  # no routing to probe
             return
+        self._own_probe(trainer)
         if self.baseline is not None:
             indices = [layer.index for layer in patch.layers]
             if indices != self._layer_indices:
@@ -240,7 +284,7 @@ class RoutingDriftCallback(Callback):
         if self._dense or step == self._last_seen_step:  # dense model, or accumulating micro-batch
             return
         self._last_seen_step = step
-        if self.every_n_steps and step % self.every_n_steps == 0:
+        if (self.every_n_steps and step % self.every_n_steps == 0) or ends_training(trainer):
             self.measure(trainer, pl_module, logging_step(trainer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -266,6 +310,8 @@ class RoutingDriftCallback(Callback):
         now = capture_routing(pl_module, self.probe, trainer.precision_plugin.val_step_context,
                               model_forward(trainer, pl_module))
         sums = torch.stack([drift_sums(base, cur) for base, cur in zip(self.baseline, now)])
+        if not self._counts:  # a resume on another number of ranks: rank zero's sums cover every probe
+            sums = torch.zeros_like(sums)
         device = next(pl_module.parameters()).device
         sums = trainer.strategy.reduce(sums.to(device), reduce_op="sum").detach().cpu()
         metrics: dict[str, float] = {}

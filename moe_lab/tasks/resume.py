@@ -110,9 +110,18 @@ def _rows_before(path: Path, step: int) -> list[dict]:
             except ValueError:
                 continue
             if row_step < step:
-                rows.append({k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
+                rows.append({k: _number(v) for k, v in row.items() if k != "step" and v not in ("", None)}
                             | {"step": row_step})
     return rows
+
+
+def _number(text: str) -> int | float:
+    """A metrics.csv cell as the logger wrote it: an integer stays one (``epoch`` is ``0``, not ``0.0``), the rest
+    are floats (``repr`` round-trips them, so a carried row is written back as it was)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 class History:

@@ -88,6 +88,30 @@ def test_recorder_counts_real_tokens_per_step(tmp_path):
         assert counts[i].sum(-1).tolist() == [int(b["attention_mask"].sum()) * k] * counts.shape[1]
 
 
+def test_a_resumed_log_continues_the_checkpoints_run_in_a_new_directory(tmp_path):
+    """Oracle: the uninterrupted run's log (every 2 steps of 4). Resumed from its step-3 checkpoint into another
+    directory, the log is the same file: the header and step 2 come from the first run's log, step 4 counts steps
+    3 and 4 (step 3's tokens, summed when the checkpoint was written, travel in it)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from moe_lab.data.resumable import ResumableDataLoader
+
+    def fit(run, ckpt=None):
+        cb = RoutingLogCallback(every_n_steps=2, path=run / "routing_log.jsonl", model_name="tiny_olmoe")
+        saver = ModelCheckpoint(dirpath=run / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        trainer = L.Trainer(max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[cb, saver], accelerator="cpu", default_root_dir=run)
+        trainer.fit(TinyModule(), ResumableDataLoader(random_batches(6), batch_size=None, shuffle=False),
+                    ckpt_path=ckpt)
+
+    fit(tmp_path / "a")
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=3.ckpt")
+    fit(tmp_path / "b", str(ckpt))
+    straight = (tmp_path / "a" / "routing_log.jsonl").read_text()
+    assert [json.loads(line).get("step") for line in straight.splitlines()] == [None, 2, 4]
+    assert (tmp_path / "b" / "routing_log.jsonl").read_text() == straight
+
+
 def _cfg(tmp_path, model, logs, **task):
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)

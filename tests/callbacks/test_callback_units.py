@@ -177,3 +177,34 @@ def test_grad_norm_without_grads_or_patch():
     only_total = GradNormCallback().grad_norms(plain)
     assert list(only_total) == ["grad_norm/total"]
     assert only_total["grad_norm/total"] == pytest.approx(_manual_norm(list(plain.parameters())))
+
+
+def test_load_window_continues_across_a_resume(tmp_path):
+    """Log every 4 steps, checkpoint at step 2 of 2 "ranks": the resumed process starts its total_counts at zero,
+    yet its first log (step 4) is of steps 1-4, as the uninterrupted callback's: the hand sum of every step's
+    counts, times 2 ranks."""
+    steps = {1: [1, 0, 0, 0], 2: [0, 2, 0, 0], 3: [0, 0, 3, 0], 4: [5, 0, 0, 1]}
+
+    def run(callback, layer, trainer, module, todo):
+        for step in todo:
+            layer.total_counts += torch.tensor(steps[step])
+            trainer.global_step = step
+            callback.on_train_batch_end(trainer, module, None, None, 0)
+
+    straight_layer, straight = _layer(0, 4), ExpertLoadCallback(log_every_n_steps=4, heatmap_every_n_steps=0)
+    module, trainer = FakeModule([straight_layer]), _trainer(tmp_path, FakeStrategy(world=2))
+    straight.on_train_start(trainer, module)
+    run(straight, straight_layer, trainer, module, [1, 2])
+    checkpoint = {"callbacks": {}}
+    straight.on_save_checkpoint(trainer, module, checkpoint)  # written at step 2, before the kill
+    run(straight, straight_layer, trainer, module, [3, 4])
+
+    layer, resumed = _layer(0, 4), ExpertLoadCallback(log_every_n_steps=4, heatmap_every_n_steps=0)
+    module2, trainer2 = FakeModule([layer]), _trainer(tmp_path, FakeStrategy(world=2))
+    trainer2.global_step = 2
+    resumed.load_state_dict(checkpoint["callbacks"][resumed.state_key])
+    resumed.on_train_start(trainer2, module2)
+    run(resumed, layer, trainer2, module2, [3, 4])
+    expected = torch.tensor([[6, 2, 3, 1]]) * 2
+    assert torch.equal(straight.latest["counts"], expected) and torch.equal(resumed.latest["counts"], expected)
+    assert module2.logged == module.logged[-1:]

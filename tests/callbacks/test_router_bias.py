@@ -168,19 +168,23 @@ def test_plot_from_csv_round_trip(tmp_path):
         BiasTrajectory.from_csv(tmp_path / "bad.csv")
 
 
-def test_resume_restarts_the_trajectory_and_keeps_the_choice_step(tmp_path):
+def test_resume_continues_the_trajectory_with_the_choice_step(tmp_path):
+    """Oracle: the biases after every step, copied by BiasRecorder in the first fit (steps 0-4) and the resumed one
+    (4-6). The trajectory written after the resume covers the whole run, the choice step (3) included, once each."""
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
-    fit(condenser_module(), tmp_path, [RouterBiasCallback(log_every_n_steps=1, record_every_n_steps=1), ckpt],
+    first = BiasRecorder()
+    fit(condenser_module(), tmp_path, [RouterBiasCallback(log_every_n_steps=1, record_every_n_steps=1), first, ckpt],
         max_steps=4)
     callback, recorder, module = RouterBiasCallback(log_every_n_steps=1, record_every_n_steps=1), BiasRecorder(), condenser_module()
     fit(module, tmp_path, [callback, recorder, ModelCheckpoint(dirpath=tmp_path / "ckpt2")], max_steps=6,
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     traj = BiasTrajectory.from_csv(tmp_path / "plots" / "router_bias_trajectory.csv")
-    assert traj.steps == [4, 5, 6]
+    assert traj.steps == [0, 1, 2, 3, 4, 5, 6]
     assert traj.chosen_at == {0: 3, 1: 3} == callback.chosen_at
     assert traj.condensers == {layer.index: layer.forced_experts for layer in module.patch.layers}
     for row, step in enumerate(traj.steps):
-        assert np.array_equal(traj.biases[0][row], recorder.biases[step][0].numpy())
+        biases = (first if step <= 4 else recorder).biases[step]
+        assert np.array_equal(traj.biases[0][row], biases[0].numpy()), step
 
 
 def test_bad_arguments_name_the_field():
@@ -215,4 +219,4 @@ def test_wandb_offline_run_contains_bias_and_drift(tmp_path, monkeypatch):
     assert [r["trainer/global_step"] for r in drift_rows] == [1, 3]
     assert {"drift/flip_rate_mean", "drift/layer1/entropy", "drift/kl_mean"} <= set(drift_rows[0])
     images = [r for r in rows if r.get("router_bias/trajectory/_type") == "images/separated"]
-    assert len(images) == 3  # steps 2 and 4, and the end of training
+    assert len(images) == 2  # steps 2 and 4; step 4 ends training: one image, the end's

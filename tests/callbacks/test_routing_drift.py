@@ -290,6 +290,31 @@ def test_resume_keeps_the_base_models_probe_and_baseline(tmp_path):
             assert second.latest[f"drift/layer{i}/{name}"] == pytest.approx(value, rel=1e-12), name
 
 
+def _rank_state(seed: int, tokens: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    snap = RoutingSnapshot(torch.randint(0, 4, (tokens, 2), generator=g), torch.randint(0, 4, (tokens,), generator=g),
+                           torch.randn(tokens, 4, generator=g).log_softmax(-1))
+    return {"probe": [{"input_ids": torch.full((1, tokens), seed)}], "baseline": [snap.to_dict(), snap.to_dict()]}
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (1, 0), (3, 2)])
+def test_each_rank_continues_its_own_probe_of_a_ddp_checkpoint(world, rank):
+    """A 2-rank checkpoint's drift state (every rank's probe and baseline): resumed on 2 ranks each rank takes its
+    own; on another number of ranks every rank takes both (in rank order) and only rank zero's sums count."""
+    ranks = [_rank_state(0, 3), _rank_state(1, 5)]
+    callback = RoutingDriftCallback()
+    callback.load_state_dict({"layers": [0, 1], "ranks": ranks})
+    callback._own_probe(types.SimpleNamespace(world_size=world, global_rank=rank, is_global_zero=rank == 0))
+    mine = [ranks[rank]] if world == 2 else ranks
+    assert [b["input_ids"].tolist() for b in callback.probe] == [b["input_ids"].tolist() for r in mine
+                                                                 for b in r["probe"]]
+    for layer in range(2):
+        expected = RoutingSnapshot.cat([RoutingSnapshot(**r["baseline"][layer]) for r in mine])
+        for name, value in expected.to_dict().items():
+            assert torch.equal(getattr(callback.baseline[layer], name), value), name
+    assert callback._counts == (world == 2 or rank == 0)
+
+
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="every_n_steps"):
         RoutingDriftCallback(every_n_steps=-1)
