@@ -33,7 +33,7 @@ COMMON = ("debug=fast", "method=condenser", "method.options.selection=in_run", "
 #: files of the run that must equal the uninterrupted run's byte for byte (metrics.csv is compared by rows first)
 FILES = ("metrics.csv", "routing_log.jsonl", "plots/router_bias_trajectory.csv", "plots/router_bias_trajectory.png",
          "plots/expert_load_step000003.png", "plots/expert_load_step000004.png", "plots/expert_load_latest.png",
-         "plots/train_loss.png")
+         "plots/train_loss.png", "condenser.json")
 
 
 class Kill(L.Callback):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..callbacks._logging import ends_training
 from ..data.packing import model_inputs, real_token_mask
 from .base import MoELightningModule
 from .condenser import (
@@ -174,6 +175,13 @@ class CondenserModule(MoELightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.patch.bias_updater.update_every == "micro_batch":
             self.patch.update_biases()
+
+    def on_save_checkpoint(self, checkpoint):
+        """The checkpoint of the step that ends training also writes ``condenser.json``: a run killed after
+        that checkpoint, resumed (which trains nothing and skips ``on_train_end``), has it all the same."""
+        super().on_save_checkpoint(checkpoint)
+        if self.trainer.is_global_zero and ends_training(self.trainer):
+            save_condenser_state(self.patch, Path(self.trainer.default_root_dir) / STATE_FILE)
 
     def on_train_end(self):
         if self.trainer.is_global_zero:
