@@ -4,15 +4,14 @@ condensed model (or LayerTrim / BlockTrim), memory ratio, export (``load_condens
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write, atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
@@ -30,7 +29,6 @@ from ..compress.condense_search import (
 )
 from ..compress.dense import export_compressed
 from ..models import load_model
-from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
 from .calibrate import calibration_sequences
@@ -100,8 +98,7 @@ def _export(model, tokenizer, c, calibration, path: Path) -> tuple[str, str]:
         else:
             vanilla.moe_lab_manifest.update(extra)
             return str(export_compressed(vanilla, path, tokenizer)), "vanilla"
-    written = atomic_export(path, lambda tmp: export_condensed(model, tmp, tokenizer, extra=extra))
-    return str(written), "condensed"
+    return str(export_condensed(model, path, tokenizer, extra=extra)), "condensed"
 
 
 def _count(model) -> int:
@@ -122,8 +119,6 @@ def single_layer_losses(model, calibration, batches, experts, c) -> dict[str, di
 def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: str) -> list[Path]:
     """``layer_losses.csv`` (one row per MoE layer, one column per metric) and ``layer_losses.png`` (one panel
     per metric against the MoE-layer index, as the paper's Figs. 2 and 5), both atomic."""
-    import os
-
     from matplotlib.figure import Figure
 
     from ..analysis.report import save_figure, write_csv
@@ -131,9 +126,7 @@ def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: st
     layers = sorted(next(iter(losses.values())))
     rows = [{"decoder_layer": i, "moe_layer": n, **{m: v[i] for m, v in losses.items()}}
             for n, i in enumerate(layers)]
-    tmp = out / ".layer_losses.csv.tmp"
-    write_csv(rows, tmp)
-    os.replace(tmp, out / "layer_losses.csv")
+    atomic_write(out / "layer_losses.csv", lambda tmp: write_csv(rows, tmp))
     names = {"js": "JS divergence", "kl": "KL divergence", "ppl": "perplexity change"}
     from matplotlib.ticker import MaxNLocator
 
@@ -225,7 +218,5 @@ def condense_task(cfg: DictConfig) -> dict:
             "expert_selection": c.expert_selection, "layer_selection": c.layer_selection,
             "task_source": task_source(list(c.eval.tasks))})
     summary["wall_time_s"] = round(time.time() - start, 2)
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, out / "summary.json")
+    atomic_write_json(out / "summary.json", summary, default=str)
     return summary
