@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -233,8 +233,9 @@ AFTER_STEP_3 = ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.
 
 @dataclass
 class Case:
-    """``argv(shared)``: the run's overrides; ``interrupt``: (function, calls) after which the signal is sent;
-    ``resume``: ``task.resume=<run dir>`` (training) or the same command into the same directory."""
+    """``argv(shared)``: the run's overrides; ``interrupt``: (function, calls) after which ``signum`` is sent;
+    resumed with ``task.resume=<run dir>`` (``task_resume``: training) or the same command into the same directory;
+    ``oracle``: the case whose uninterrupted run this one shares (default: its own)."""
 
     argv: object
     interrupt: tuple
@@ -243,7 +244,8 @@ class Case:
     task_resume: bool = False
     resume_line: str | None = None  # printed by a signalled run
     check_interrupted: object = None  # what the interrupted run left (run dir)
-    extra: dict = field(default_factory=dict)
+    resumed: str = ""  # the resumed run's line saying what it took from the interrupted one
+    oracle: str = ""
 
 
 def _no_record(run: Path) -> None:
@@ -276,28 +278,37 @@ def _checkpoint(run: Path) -> None:
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == CHECKPOINT_STEP
 
 
+def _grid_argv(s) -> list[str]:
+    return ["task=compress", "compress=paper_grid", "compress.grid.scores=[sf]", "compress.grid.groupings=[rr]",
+            f"compress.calibration_file={s['calibration']}", f"compress.eval.path={s['text']}",
+            "compress.eval.max_length=64", "compress.eval.stride=64"]
+
+
 CASES = {
     "finetune": Case(lambda s: TRAIN, AFTER_STEP_3, _training, task_resume=True, check_interrupted=_checkpoint),
     "kd": Case(lambda s: [*TRAIN, "method=kd", "method.teacher=${model}"], AFTER_STEP_3, _training,
                task_resume=True, check_interrupted=_checkpoint),
     "calibrate": Case(lambda s: s["calibrate"], ("moe_lab.compress.calibration:Calibration.save", 2), _calibration,
-                      check_interrupted=_partial_calibration),
-    "compress_grid": Case(lambda s: [
-        "task=compress", "compress=paper_grid", "compress.grid.scores=[sf]", "compress.grid.groupings=[rr]",
-        f"compress.calibration_file={s['calibration']}", f"compress.eval.path={s['text']}",
-        "compress.eval.max_length=64", "compress.eval.stride=64"],
-        ("moe_lab.compress.point_log:PointLog.append", 3), _grid, check_interrupted=_points(3)),
+                      check_interrupted=_partial_calibration, resumed="resuming calibration from"),
+    "compress_grid": Case(_grid_argv, ("moe_lab.compress.point_log:PointLog.append", 3), _grid,
+                          check_interrupted=_points(3), resumed="moe-lab compress: 3 points already in"),
+    "compress_grid_sigterm": Case(_grid_argv, ("moe_lab.compress.point_log:PointLog.append", 2), _grid,
+                                  signum=SIGTERM, resume_line="Resume with: the same command and hydra.run.dir=",
+                                  check_interrupted=_points(2), resumed="moe-lab compress: 2 points already in",
+                                  oracle="compress_grid"),
     "condense_sigterm": Case(lambda s: s["condense"], ("moe_lab.compress.point_log:PointLog.append", 1), _condense,
                              signum=SIGTERM, resume_line="Resume with: the same command and hydra.run.dir=",
-                             check_interrupted=_steps(1)),
+                             check_interrupted=_steps(1), resumed="condense: 1 finished search steps in"),
     "condense_kill": Case(lambda s: s["condense"], ("moe_lab.compress.point_log:PointLog.append", 3), _condense,
-                          check_interrupted=_steps(3)),
+                          check_interrupted=_steps(3), resumed="condense: 3 finished search steps in",
+                          oracle="condense_sigterm"),
     "teacher_logits": Case(lambda s: ["task=teacher_logits", *TRAIN],
                            ("moe_lab.distill.teacher_logits:save_file", 1), _teacher_logits,
                            check_interrupted=_no_record),
     "evaluate": Case(lambda s: ["task=evaluate", "eval=math7", "eval.datasets=[singleeq,addsub]", "eval.limit=4",
                                 "eval.batch_size=2", "eval.generation.max_new_tokens=8"],
-                     ("moe_lab.tasks.evaluate:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions),
+                     ("moe_lab.tasks.evaluate:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions,
+                     resumed="addsub: 2 of 4 rows already predicted"),
 }
 
 
@@ -336,7 +347,7 @@ def shared(tmp_path_factory, runner):
 def test_interrupted_run_resumes_to_the_uninterrupted_result(name, runner, shared, tmp_path):
     case = CASES[name]
     argv = case.argv(shared)
-    oracle = "condense" if name.startswith("condense") else name  # the two condense cases share theirs
+    oracle = case.oracle or name
     whole = shared["whole"].get(oracle)
     if whole is None:
         whole = tmp_path / "whole"
@@ -356,4 +367,5 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(name, runner, share
     resume = [f"task.resume={run}"] if case.task_resume else [*argv, f"hydra.run.dir={run}"]
     rc, log = runner(resume, tmp_path / "resumed.log")
     assert rc == 0, log[-3000:]
+    assert case.resumed in log
     case.compare(whole, run)
