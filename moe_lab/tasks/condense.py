@@ -72,16 +72,14 @@ class SearchLog:
     def __init__(self, out: Path, settings: dict, stop):
         self.out, self.stop = out, stop
         self.points = PointLog(out / self.FILE, ("stage", "key"), settings)
-        self.reused = 0
+        self.reused = len(self.points.rows)  # steps of an earlier run, taken as they are
         if self.points.rows:
             print(f"==== moe-lab condense: {len(self.points.rows)} finished search steps in {self.points.path}: "
                   "taken, not recomputed", flush=True)
 
     def done(self, stage: str) -> dict[int, dict]:
         """``{key: value}`` of the finished steps of ``stage``."""
-        rows = {int(k): json.loads(str(row["value"])) for (s, k), row in self.points.done().items() if s == stage}
-        self.reused += len(rows)
-        return rows
+        return {int(k): json.loads(str(row["value"])) for (s, k), row in self.points.done().items() if s == stage}
 
     def save(self, stage: str, key: int, **value) -> None:
         self.points.append({"stage": stage, "key": int(key), "value": json.dumps(value)})
