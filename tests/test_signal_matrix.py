@@ -5,6 +5,18 @@ uninterrupted run's.
 Each run is ``python run.py <overrides>`` exactly, forked from one server process that imported the libraries once
 (a fresh interpreter per run would cost ~10 s of imports each). The interruption is deterministic: the forked child
 patches one function of the task so that it sends itself SIGKILL (or SIGTERM) right after the n-th call returns.
+
+case              interrupted                                   resumed with                 compared
+finetune, kd      kill -9 after step 3 (checkpoint at step 2)   task.resume=<run dir>        metrics.csv, last.ckpt,
+                                                                                             export (bitwise)
+calibrate         kill -9 after the 2nd partial save            same command, same run dir   calibration.safetensors
+compress grid     kill -9 after 3 of 6 points; SIGTERM after 2  same command, same run dir   points.csv, grid.md
+condense          SIGTERM after 1 search step; kill -9 after 3  same command, same run dir   summary, steps, export
+teacher_logits    kill -9 between the record's write and rename the same command again       the record (bitwise)
+evaluate          kill -9 after 3 of 4 prediction batches       same command, same run dir   predictions, results
+
+Signals in training, the prune / expert-removal studies and the grid in process: test_signal_resume_logging.py,
+compress/test_sweep_resume.py, analysis/test_removal_resume.py, compress/test_condense_resume.py.
 """
 
 from __future__ import annotations
