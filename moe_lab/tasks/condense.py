@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..atomic import atomic_write, atomic_write_json
+from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
@@ -192,7 +192,7 @@ def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: st
     layers = sorted(next(iter(losses.values())))
     rows = [{"decoder_layer": i, "moe_layer": n, **{m: v[i] for m, v in losses.items()}}
             for n, i in enumerate(layers)]
-    atomic_write(out / "layer_losses.csv", lambda tmp: write_csv(rows, tmp))
+    write_csv(rows, out / "layer_losses.csv")  # atomic
     names = {"js": "JS divergence", "kl": "KL divergence", "ppl": "perplexity change"}
     from matplotlib.ticker import MaxNLocator
 

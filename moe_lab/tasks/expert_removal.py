@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.meta_costs import count_parameters
 from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper_table
 from ..analysis.report import log_images, markdown_table, write_csv
-from ..atomic import atomic_write, atomic_write_json, atomic_write_text
+from ..atomic import atomic_write_json, atomic_write_text
 from ..compress.dense import MANIFEST_FILE, export_compressed
 from ..methods.registry import EXPORT_LOADERS
 from ..models import load_model
@@ -142,7 +142,7 @@ def expert_removal_task(cfg: DictConfig) -> dict:
             rows.append(_removal_point(cfg, p, model, cal, tokenizer, out / "points" / _name(p)))
     df = pd.DataFrame(rows)
 
-    atomic_write(out / "removal_points.csv", lambda tmp: write_csv(df.to_dict("records"), tmp))
+    write_csv(df.to_dict("records"), out / "removal_points.csv")  # atomic
     base = df[df.strategy == "base"].iloc[0]
     fits = {}
     for (strategy, score), grp in df[df.strategy.isin(["small_dense", "small_moe"])].groupby(["strategy", "score"]):
