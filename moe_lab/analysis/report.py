@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..atomic import atomic_write
+
 
 def write_csv(rows: list[dict], path) -> Path:
-    path = Path(path)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    """``rows`` as CSV (columns: the first row's keys), atomically."""
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    return atomic_write(path, write)
 
 
 def markdown_table(rows: list[dict], columns: dict[str, str], formats: dict[str, str] | None = None) -> str:
@@ -34,12 +37,8 @@ def markdown_table(rows: list[dict], columns: dict[str, str], formats: dict[str,
 
 def save_figure(fig: Figure, path) -> Path:
     """Save through the Agg canvas (no pyplot state), atomically."""
-    path = Path(path)
     FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=fig.dpi, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=fig.dpi, bbox_inches="tight"))
 
 
 def log_images(cfg, images: dict[str, Path], summary: dict | None = None) -> bool:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+from ..atomic import atomic_write
 from ..moe import routing
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.routing import router_logits, select_topk
@@ -105,10 +105,8 @@ class Calibration:
             for layer, stats in self.layers.items()
             for name, t in stats.items()
         }
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(self.manifest, sort_keys=True)})
-        os.replace(tmp, path)
-        return path
+        metadata = {MANIFEST_KEY: json.dumps(self.manifest, sort_keys=True)}
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
     @classmethod
     def load(cls, path, field: str | None = None) -> Calibration:

@@ -276,7 +276,19 @@ def export_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None 
     """Write a condensed model: config (the original architecture), ONLY the retained experts' weights and
     ``condense_manifest.json`` (layers, expert ids, gates). Every tensor is written in the model's load dtype
     (``precision.in_load_dtype``: fp32 master weights of a condense_sft run are cast back once; buffers HF keeps
-    in fp32 stay fp32), the dtype ``config.json`` and the manifest state. Reload with :func:`load_condensed`."""
+    in fp32 stay fp32), the dtype ``config.json`` and the manifest state. Reload with :func:`load_condensed`.
+    Atomic (:func:`~moe_lab.moe.patch.atomic_export`): ``path`` is replaced only by a complete export, so a kill
+    never leaves weights without their manifest."""
+    from ..moe.patch import atomic_export
+
+    if not getattr(model, "moe_lab_condense", None):
+        raise ValueError("export_condensed needs a model returned by condense()")
+    return atomic_export(path, lambda tmp: write_condensed(model, tmp, tokenizer, extra))
+
+
+def write_condensed(model: nn.Module, path, tokenizer=None, extra: dict | None = None) -> Path:
+    """:func:`export_condensed`'s files written into the directory ``path`` as they are (no atomic swap): only for a
+    folder that is itself being written atomically (an export hook's temporary folder)."""
     from safetensors.torch import save_file
 
     record = getattr(model, "moe_lab_condense", None)
@@ -337,7 +349,8 @@ def load_condensed(path, device=None, dtype: torch.dtype | None = None) -> nn.Mo
     return model.eval()
 
 
-__all__ = ["CondensedLayer", "condense", "export_condensed", "fixed_gates", "js_divergence", "load_condensed"]
+__all__ = ["CondensedLayer", "condense", "export_condensed", "fixed_gates", "js_divergence", "load_condensed",
+           "write_condensed"]
 
 
 

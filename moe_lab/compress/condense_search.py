@@ -4,12 +4,17 @@ PL_Alpha_Hill experts; Layer Rank / Global Layer Rank layers; PPL / KL metrics; 
 
 ``batches``: an iterable of dicts with ``input_ids`` and optional ``attention_mask`` (calibration sequences,
 one per row); only real tokens enter every divergence (either padding side).
+
+Resumable searches (each step can take minutes on a real model): ``done`` holds the steps a killed or signalled
+run finished (they are taken as they are, not recomputed: every step depends only on the ones before it),
+``progress`` is called as each new step finishes (to save it), and ``stop()`` true ends the search after the step
+in hand (its partial result is returned; the caller exits and a re-run continues).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,23 +239,34 @@ def layer_output_with(model: nn.Module, view: MoELayerView, module: nn.Module, b
 
 def greedy_expert_search(model: nn.Module, calibration: Calibration, batches, routed: int,
                          layers: Sequence[int] | None = None, *, cached: bool = True, metric: str = "js",
-                         fallback: str = "exclude", store_outputs: bool = True, hf_hidden_states: bool = False
-                         ) -> dict[int, list[int]]:
+                         fallback: str = "exclude", store_outputs: bool = True, hf_hidden_states: bool = False,
+                         done: Mapping[int, tuple[list[int], list[float]]] | None = None,
+                         progress: Callable[[int, list[int], list[float]], None] | None = None,
+                         stop: Callable[[], bool] | None = None) -> dict[int, list[int]]:
     """Per MoE layer, the ordered greedy list of ``routed`` (K_r) experts minimising the JS at that layer's
     output (spec 3.5; other layers routed). Step losses are in ``result.losses`` ({layer: [float]}).
     ``store_outputs=False`` recomputes each candidate's expert output instead of keeping all E of them;
-    ``hf_hidden_states=True`` reproduces [CD-code]'s post-final-norm reading at the last layer (A4-1)."""
+    ``hf_hidden_states=True`` reproduces [CD-code]'s post-final-norm reading at the last layer (A4-1).
+    ``done`` / ``progress(layer, experts, losses)`` / ``stop``: one step per layer (module docstring)."""
     require_search_stats(calibration)
     calibration.check_compatible(model)
     batches = list(batches)
     views = moe_views(model)
     layers = sorted(views) if layers is None else check_layers(model, views, layers)
-    result, losses = ExpertLists(), {}
+    result, losses, done = ExpertLists(), {}, done or {}
     for layer in layers:
+        if layer in done:
+            result[layer], losses[layer] = list(done[layer][0]), list(done[layer][1])
+            continue
         cache = capture(model, batches, [layer])[layer]
         search = ExpertSearch(model, calibration, views[layer], cache, batches, cached=cached, metric=metric,
                               fallback=fallback, store_outputs=store_outputs, hf_hidden_states=hf_hidden_states)
         result[layer], losses[layer] = search.run(routed)
+        del cache, search
+        if progress is not None:
+            progress(layer, result[layer], losses[layer])
+        if stop is not None and stop():
+            break
     result.losses = losses
     return result
 
@@ -400,26 +416,48 @@ class LayerSearch:
             offset += n
         return float(sequence_mean(torch.cat(values), torch.cat(seqs), offset))
 
-    def greedy(self, n_layers: int) -> tuple[list[int], list[float]]:
-        """Ordered layer list (paper Algorithm 2; ties -> lower layer) and the loss after each step."""
+    def greedy(self, n_layers: int, done: Sequence[tuple[int, float]] = (),
+               progress: Callable[[int, int, float], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> tuple[list[int], list[float]]:
+        """Ordered layer list (paper Algorithm 2; ties -> lower layer) and the loss after each step. ``done``:
+        the (layer, loss) of the first steps; ``progress(step, layer, loss)`` / ``stop``: module docstring."""
         if not 0 <= n_layers <= len(self.layers):
             raise ValueError(f"condense.num_layers={n_layers} must be in [0, {len(self.layers)}] (MoE layers)")
-        chosen, best = [], []
-        for _ in range(n_layers):
+        done = list(done)[:n_layers]
+        chosen, best = [int(i) for i, _ in done], [float(v) for _, v in done]
+        while len(chosen) < n_layers:
             losses = {i: self.loss([*chosen, i]) for i in self.layers if i not in chosen}
             layer = min(losses, key=lambda i: (losses[i], i))
             chosen.append(layer)
             best.append(losses[layer])
+            if progress is not None:
+                progress(len(chosen) - 1, layer, losses[layer])
+            if stop is not None and stop():
+                break
         return chosen, best
 
-    def single_losses(self) -> dict[int, float]:
-        """``{layer: loss of condensing it alone}`` at the final output (the paper's Figs. 2 and 5)."""
-        return {i: self.loss([i]) for i in self.layers}
+    def single_losses(self, done: Mapping[int, float] | None = None,
+                      progress: Callable[[int, float], None] | None = None,
+                      stop: Callable[[], bool] | None = None) -> dict[int, float]:
+        """``{layer: loss of condensing it alone}`` at the final output (the paper's Figs. 2 and 5).
+        ``done`` / ``progress(layer, loss)`` / ``stop``: module docstring."""
+        out = {}
+        for i in self.layers:
+            if done and i in done:
+                out[i] = float(done[i])
+                continue
+            out[i] = self.loss([i])
+            if progress is not None:
+                progress(i, out[i])
+            if stop is not None and stop():
+                break
+        return out
 
-    def global_rank(self) -> list[int]:
-        """Global Layer Rank: each layer condensed alone, final-output loss ascending."""
-        losses = self.single_losses()
-        return sorted(self.layers, key=lambda i: (losses[i], i))
+    def global_rank(self, **resume) -> list[int]:
+        """Global Layer Rank: each layer condensed alone, final-output loss ascending (``resume``: the
+        ``done`` / ``progress`` / ``stop`` of :meth:`single_losses`)."""
+        losses = self.single_losses(**resume)
+        return sorted(losses, key=lambda i: (losses[i], i))
 
 
 def _ppl(logits: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from ..atomic import atomic_write
 from .calibration import Calibration
 from .dopt import effective_rank
 from .scores import DOPT_METHODS, dopt_kernel, select_experts
@@ -108,8 +108,4 @@ def marginal_means(results: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
 
 def write_table(frame: pd.DataFrame, path, index: bool = False) -> Path:
     """``frame`` as CSV, written atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_csv(tmp, index=index)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda tmp: frame.to_csv(tmp, index=index))

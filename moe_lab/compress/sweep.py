@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 from torch import nn
 
+from ..atomic import atomic_write, atomic_write_text
 from ..eval.perplexity import perplexity
 from ..moe.view import find_moe_layers
 from .calibration import Calibration
@@ -233,8 +234,7 @@ def grid_heatmap(table: pd.DataFrame, path, title: str = "pre-distillation perpl
     bar = fig.colorbar(image, ax=ax, label="perplexity (log scale)", fraction=0.04, pad=0.02)
     bar.ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: format_ppl(10 ** v)))
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=130)
+    path = atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=130, format="png"))
     plt.close(fig)
     return path
 
@@ -246,9 +246,9 @@ def write_grid(points: pd.DataFrame, directory, title: str = "pre-distillation p
     table = grid_table(points)
     out = {"points": directory / "points.csv", "grid_csv": directory / "grid.csv",
            "grid_md": directory / "grid.md", "heatmap": directory / "grid.png"}
-    points.to_csv(out["points"], index=False)
-    table.to_csv(out["grid_csv"])
-    out["grid_md"].write_text(grid_markdown(table))
+    atomic_write(out["points"], lambda tmp: points.to_csv(tmp, index=False))
+    atomic_write(out["grid_csv"], table.to_csv)
+    atomic_write_text(out["grid_md"], grid_markdown(table))
     grid_heatmap(table, out["heatmap"], title)
     return out
 
@@ -316,7 +316,7 @@ def write_prune_study(points: pd.DataFrame, directory) -> dict[str, Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     out = {"csv": directory / "prune.csv", "plot": directory / "prune.png"}
-    points.to_csv(out["csv"], index=False)
+    atomic_write(out["csv"], lambda tmp: points.to_csv(tmp, index=False))
     base = points[points.strategy == "base"].iloc[0]
     study = points[points.strategy != "base"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -334,6 +334,6 @@ def write_prune_study(points: pd.DataFrame, directory) -> dict[str, Path]:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out["plot"], dpi=120)
+    atomic_write(out["plot"], lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..compress.condense import CONDENSE_FILE, CondensedLayer, export_condensed, load_condensed
+from ..compress.condense import CONDENSE_FILE, CondensedLayer, load_condensed, write_condensed
 from .base import MoELightningModule
 from .precision import load_dtype
 
@@ -74,11 +74,12 @@ class CondenseSFTModule(MoELightningModule):
 
 def _rewrite_export(model: torch.nn.Module, directory, source) -> None:
     """Replace save_pretrained's weights (HF converts packed experts to its hub layout on save, which the
-    condensed layers do not have) by :func:`export_condensed`'s single file + manifest; the manifest keeps the
+    condensed layers do not have) by :func:`~moe_lab.compress.condense.export_condensed`'s single file + manifest
+    (``directory`` is the export's temporary folder: the whole export is published atomically); the manifest keeps the
     source export's provenance (search knobs, calibration) and names the source as ``condensed_from``. Written
     from the live model in its load dtype (fp32 master weights cast back once, as the save_pretrained export)."""
     for file in [*Path(directory).glob("*.safetensors"), *Path(directory).glob("*.safetensors.index.json")]:
         file.unlink()
     before = json.loads((Path(source) / CONDENSE_FILE).read_text())
     extra = {k: v for k, v in before.items() if k not in ("method", "dtype", "layers")}
-    export_condensed(model, directory, extra={**extra, "condensed_from": str(source)})
+    write_condensed(model, directory, extra={**extra, "condensed_from": str(source)})

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.activation import count_selections, distribution_figure, heatmap_figure, layer_stats
 from ..analysis.report import log_images, markdown_table, write_csv
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..methods.registry import EXPORT_LOADERS
 
 PLAIN = "family top-k"
@@ -151,7 +151,7 @@ def activation_stats_task(cfg: DictConfig) -> dict:
                                    "tail_experts_pooled": "tail fraction of experts", "routing": "routing"},
                            {k: ".3f" for k in ("gini_mean", "gini_pooled", "tail_share_pooled",
                                                "tail_experts_pooled")})]
-    (out / "activation.md").write_text("\n".join(text))
+    atomic_write_text(out / "activation.md", "\n".join(text))
     summary = {f"activation/{k}/{m}": v for k, s in summaries.items() for m, v in s.items()}
     atomic_write_json(out / "summary.json", summary, indent=2)
     log_images(cfg, images, summary)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
+from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
@@ -29,11 +29,12 @@ from ..compress.condense_search import (
     trim_order,
 )
 from ..compress.dense import export_compressed
+from ..compress.point_log import PointLog
 from ..models import load_model
-from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
 from .calibrate import calibration_sequences
+from .stop_signal import StopOnSignal
 
 log = logging.getLogger(__name__)
 METHODS = ("cd_moe", "layer_trim", "block_trim")
@@ -52,7 +53,54 @@ def _check(c) -> None:
                          "condense.calibration_file=<its run dir>/calibration.safetensors")
 
 
-def _expert_lists(model, calibration, batches, c) -> tuple[dict, dict]:
+#: the knobs the searches' results depend on (besides the model, the calibration and the search data); a re-run
+#: into a run directory with other values is refused rather than mixing two searches (num_layers is not one: the
+#: greedy layer order of n layers is the first n steps of a longer one)
+SEARCH_KNOBS = ("method", "routed_experts", "experts", "expert_selection", "expert_metric", "hf_hidden_states",
+                "fallback_gate", "layer_selection", "layers", "metric", "target", "alpha_hill_xmin", "seed")
+
+
+class SearchLog:
+    """The finished steps of the CD-MoE searches (a layer's greedy expert list, a greedy layer step, a layer's
+    single-condensation loss) in ``<run dir>/search_progress.csv``, each written as it finishes (atomically:
+    :class:`~moe_lab.compress.point_log.PointLog`, settings in ``search_progress.meta.json``). A re-run into the
+    same directory takes them as they are and continues (a kill -9 loses at most the step in hand); on SIGINT /
+    SIGTERM / SIGUSR1 (``stop``) the search ends after the step in hand and the task exits with how to resume."""
+
+    FILE = "search_progress.csv"
+
+    def __init__(self, out: Path, settings: dict, stop):
+        self.out, self.stop = out, stop
+        self.points = PointLog(out / self.FILE, ("stage", "key"), settings)
+        self.reused = len(self.points.rows)  # steps of an earlier run, taken as they are
+        if self.points.rows:
+            print(f"==== moe-lab condense: {len(self.points.rows)} finished search steps in {self.points.path}: "
+                  "taken, not recomputed", flush=True)
+
+    def done(self, stage: str) -> dict[int, dict]:
+        """``{key: value}`` of the finished steps of ``stage``."""
+        return {int(k): json.loads(str(row["value"])) for (s, k), row in self.points.done().items() if s == stage}
+
+    def save(self, stage: str, key: int, **value) -> None:
+        self.points.append({"stage": stage, "key": int(key), "value": json.dumps(value)})
+
+    def exit_if_stopped(self, task: str) -> None:
+        """After a search stage: on a signal, exit 128 + signum naming the finished steps and how to resume."""
+        if not self.stop():
+            return
+        how = (f"Resume with: the same command and hydra.run.dir={self.out}" if task == "condense" else
+               f"re-running the task={task} stage into {self.out} continues them")
+        self.stop.exit(f"{len(self.points.rows)} finished search steps are in {self.points.path}. {how} (finished "
+                       "steps are taken, not recomputed)")
+
+
+def _search_settings(cfg: DictConfig, calibration, source: str) -> dict:
+    c = cfg.condense
+    return {"model": to_plain(cfg.model), "calibration": calibration.manifest if calibration else None,
+            "search_data": source, "search": to_plain(c.search), **{k: to_plain(c.get(k)) for k in SEARCH_KNOBS}}
+
+
+def _expert_lists(model, calibration, batches, c, log: SearchLog) -> tuple[dict, dict]:
     given = to_plain(c.experts)
     if given:
         return {int(k): [int(e) for e in v] for k, v in given.items()}, {}
@@ -60,15 +108,24 @@ def _expert_lists(model, calibration, batches, c) -> tuple[dict, dict]:
     if routed == 0:
         return {}, {}
     if c.expert_selection == "greedy":
+        done = {layer: (v["experts"], v["losses"]) for layer, v in log.done("experts").items()}
         lists = greedy_expert_search(model, calibration, batches, routed, metric=c.expert_metric,
                                      fallback=c.fallback_gate, store_outputs=bool(c.store_expert_outputs),
-                                     hf_hidden_states=bool(c.hf_hidden_states))
+                                     hf_hidden_states=bool(c.hf_hidden_states), done=done, stop=log.stop,
+                                     progress=lambda layer, e, losses: log.save("experts", layer, experts=e,
+                                                                                losses=losses))
         return dict(lists), lists.losses
     return expert_baseline(model, calibration, c.expert_selection, routed, seed=int(c.seed),
                            fallback=c.fallback_gate, xmin=str(c.alpha_hill_xmin)), {}
 
 
-def _layer_order(model, calibration, batches, experts, c) -> tuple[list[int], list[float]]:
+def _single_resume(log: SearchLog, metric: str) -> dict:
+    """``single_losses``' resume arguments for ``metric``: the finished layers, saving, stopping."""
+    return {"done": {layer: v["loss"] for layer, v in log.done(f"single/{metric}").items()},
+            "progress": lambda layer, loss: log.save(f"single/{metric}", layer, loss=loss), "stop": log.stop}
+
+
+def _layer_order(model, calibration, batches, experts, c, log: SearchLog) -> tuple[list[int], list[float]]:
     if c.layers:
         return [int(i) for i in c.layers], []
     n = int(c.num_layers)
@@ -79,8 +136,10 @@ def _layer_order(model, calibration, batches, experts, c) -> tuple[list[int], li
     search = LayerSearch(model, calibration, batches, experts, target=c.target, metric=c.metric,
                          fallback=c.fallback_gate)
     if c.layer_selection == "global_layer_rank":
-        return search.global_rank()[:n], []
-    return search.greedy(n)
+        return search.global_rank(**_single_resume(log, c.metric))[:n], []
+    done = [(v["layer"], v["loss"]) for _, v in sorted(log.done("layers").items())]
+    return search.greedy(n, done, stop=log.stop,
+                         progress=lambda step, layer, loss: log.save("layers", step, layer=layer, loss=loss))
 
 
 def _export(model, tokenizer, c, calibration, path: Path) -> tuple[str, str]:
@@ -100,30 +159,32 @@ def _export(model, tokenizer, c, calibration, path: Path) -> tuple[str, str]:
         else:
             vanilla.moe_lab_manifest.update(extra)
             return str(export_compressed(vanilla, path, tokenizer)), "vanilla"
-    written = atomic_export(path, lambda tmp: export_condensed(model, tmp, tokenizer, extra=extra))
-    return str(written), "condensed"
+    return str(export_condensed(model, path, tokenizer, extra=extra)), "condensed"
 
 
 def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def single_layer_losses(model, calibration, batches, experts, c) -> dict[str, dict[int, float]]:
+def single_layer_losses(model, calibration, batches, experts, c, log: SearchLog) -> dict[str, dict[int, float]]:
     """``{metric: {layer: final-output loss of condensing that layer alone}}`` for ``condense.layer_loss_metrics``
     (the paper's Fig. 2: JS; Fig. 5: KL and PPL)."""
     metrics = [str(m) for m in (c.layer_loss_metrics or [])]
     bad = [m for m in metrics if m not in LAYER_METRICS]
     if bad:
         raise ValueError(f"condense.layer_loss_metrics={metrics}: {bad} unknown, choose from {', '.join(LAYER_METRICS)}")
-    return {m: LayerSearch(model, calibration, batches, experts, target=c.target, metric=m,
-                           fallback=c.fallback_gate).single_losses() for m in metrics}
+    out = {}
+    for m in metrics:
+        out[m] = LayerSearch(model, calibration, batches, experts, target=c.target, metric=m,
+                             fallback=c.fallback_gate).single_losses(**_single_resume(log, m))
+        if log.stop():
+            break
+    return out
 
 
 def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: str) -> list[Path]:
     """``layer_losses.csv`` (one row per MoE layer, one column per metric) and ``layer_losses.png`` (one panel
     per metric against the MoE-layer index, as the paper's Figs. 2 and 5), both atomic."""
-    import os
-
     from matplotlib.figure import Figure
 
     from ..analysis.report import save_figure, write_csv
@@ -131,9 +192,7 @@ def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: st
     layers = sorted(next(iter(losses.values())))
     rows = [{"decoder_layer": i, "moe_layer": n, **{m: v[i] for m, v in losses.items()}}
             for n, i in enumerate(layers)]
-    tmp = out / ".layer_losses.csv.tmp"
-    write_csv(rows, tmp)
-    os.replace(tmp, out / "layer_losses.csv")
+    write_csv(rows, out / "layer_losses.csv")  # atomic
     names = {"js": "JS divergence", "kl": "KL divergence", "ppl": "perplexity change"}
     from matplotlib.ticker import MaxNLocator
 
@@ -179,11 +238,17 @@ def condense_task(cfg: DictConfig) -> dict:
     view = find_moe_layers(model)[0]
     before, active_before = _count(model), active_params(model)
     seconds_before = forward_seconds(model, batches) if c.measure_speed else None
-    experts, expert_losses = ({}, {}) if c.method != "cd_moe" else _expert_lists(model, calibration, batches, c)
-    searched = time.time()
-    order, layer_losses = _layer_order(model, calibration, batches, experts, c)
-    layer_searched = time.time()
-    single = single_layer_losses(model, calibration, batches, experts, c) if c.method == "cd_moe" else {}
+    with StopOnSignal("the condense search") as stop:
+        log = SearchLog(out, _search_settings(cfg, calibration, source), stop)
+        experts, expert_losses = ({}, {}) if c.method != "cd_moe" else _expert_lists(model, calibration, batches, c,
+                                                                                     log)
+        log.exit_if_stopped(cfg.task.name)
+        searched = time.time()
+        order, layer_losses = _layer_order(model, calibration, batches, experts, c, log)
+        log.exit_if_stopped(cfg.task.name)
+        layer_searched = time.time()
+        single = single_layer_losses(model, calibration, batches, experts, c, log) if c.method == "cd_moe" else {}
+        log.exit_if_stopped(cfg.task.name)
     if c.method == "cd_moe":
         condense(model, calibration, order, experts, fallback=c.fallback_gate)
     else:
@@ -197,7 +262,8 @@ def condense_task(cfg: DictConfig) -> dict:
                "params_before": before, "params_after": after, "memory_ratio": after / before,
                "active_params_before": active_before, "active_params_after": active_after,
                "search_data": source, "expert_search_s": round(searched - start, 2),
-               "layer_search_s": round(layer_searched - searched, 2)}
+               "layer_search_s": round(layer_searched - searched, 2), "search_steps_reused": log.reused,
+               "search_progress": str(log.points.path) if log.points.rows else None}
     if seconds_before is not None:
         seconds_after = forward_seconds(model, batches)
         summary.update(forward_s_before=round(seconds_before, 4), forward_s_after=round(seconds_after, 4),
@@ -225,7 +291,5 @@ def condense_task(cfg: DictConfig) -> dict:
             "expert_selection": c.expert_selection, "layer_selection": c.layer_selection,
             "task_source": task_source(list(c.eval.tasks))})
     summary["wall_time_s"] = round(time.time() - start, 2)
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, out / "summary.json")
+    atomic_write_json(out / "summary.json", summary, default=str)
     return summary

@@ -30,7 +30,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..methods.condenser import STATE_FILE
 from .finetune import finetune
 
@@ -82,7 +82,7 @@ def _run_phase(phase: DictConfig) -> dict:
     out = Path(phase.paths.output_dir)
     if rank_zero_only.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(phase, resolve=True))
+        atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(phase, resolve=True))
     return finetune(phase)
 
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.correlation import check_same_architecture, deltas, down_correlations, signature, summarise
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..models import load_model
 
 COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
@@ -102,7 +102,7 @@ def correlation_task(cfg: DictConfig) -> dict:
             "\n## Layer means\n",
             markdown_table(layer_rows, {"method": "method", "layer": "layer", "delta_pct": "mean Δ (%)"},
                            {"delta_pct": ".4f"})]
-    (out / "correlation.md").write_text("\n".join(text))
+    atomic_write_text(out / "correlation.md", "\n".join(text))
     summary = {f"correlation/{r['method']}/mean": r["mean"] for r in model_rows}
     summary |= {f"correlation/{r['method']}/std": r["std"] for r in model_rows}
     summary["correlation/skipped_pairs"] = skipped

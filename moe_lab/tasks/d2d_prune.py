@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..compress.d2d import D2DTarget, best_candidate, prune_candidates, prune_dense
 from ..compress.dense import export_compressed
 from ..compress.diagnostics import write_table
@@ -50,7 +50,7 @@ def d2d_prune_task(cfg: DictConfig) -> dict:
         lines.append(f"| {mark}{r['candidate']}{mark} | {r['num_hidden_layers']} | {r['hidden_size']} | "
                      f"{r['intermediate_size']} | {r['num_attention_heads']} | {r['num_key_value_heads']} | "
                      f"{r['params'] / 1e9:.2f}B | {format_ppl(r['ppl'])} |")
-    (out / "candidates.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "candidates.md", "\n".join(lines) + "\n")
     summary = {"teacher": cfg.model.name, "calibration": source, "candidates": rows, "chosen": best["candidate"],
                "teacher_params": sum(p.numel() for p in model.parameters())}
     if cfg.task.export:

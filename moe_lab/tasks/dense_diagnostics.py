@@ -4,7 +4,6 @@ marginal_means.png, summary.json (see ``moe_lab.compress.diagnostics``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from ..analysis.report import save_figure
+from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.diagnostics import (
     LABELS,
@@ -136,8 +136,6 @@ def dense_diagnostics_task(cfg: DictConfig) -> dict:
     else:
         log.info("task.results not set: the marginal means (Fig. 4) need one distilled result per (score, grouping)")
     summary["files"] = {key: str(path) for key, path in files.items()}
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(out / "summary.json")
+    atomic_write_json(out / "summary.json", summary, default=str)
     print(f"==== moe-lab dense_diagnostics: {len(files)} files in {out}", flush=True)
     return summary

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ def estimate_task(cfg: DictConfig) -> dict:
                       param_bytes=int(t.memory.param_bytes), grad_bytes=int(t.memory.grad_bytes),
                       optimizer_bytes=int(t.memory.optimizer_bytes), dtype=DTYPES[cfg.model.get("dtype") or "bfloat16"])
     result["model"] = cfg.model.name
-    (out / "estimate.json").write_text(json.dumps(result, indent=2))
+    atomic_write_json(out / "estimate.json", result)
     title = f"{cfg.model.name} ({config.model_type})"
     write_tables(result, out, title)
     png = figure(result, out / "estimate.png", title)

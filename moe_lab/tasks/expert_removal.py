@@ -19,9 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.meta_costs import count_parameters
 from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper_table
 from ..analysis.report import log_images, markdown_table, write_csv
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
+from ..compress.dense import MANIFEST_FILE, export_compressed
 from ..methods.registry import EXPORT_LOADERS
 from ..models import load_model
+from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
 from .evaluate import evaluate
 from .stop_signal import StopOnSignal
@@ -92,9 +94,7 @@ def _removal_point(cfg: DictConfig, p: dict, model, cal, tokenizer, point_dir: P
     point_dir.mkdir(parents=True, exist_ok=True)
     pruned = prune_experts(model, cal, keep=p["n"], top_k=p["k"], score=p["score"] or "es_act",
                            always_keep=t.get("always_keep"), group_balanced=bool(t.group_balanced))
-    export = point_dir / "export"
-    pruned.save_pretrained(export)
-    _save_tokenizer(tokenizer, export)
+    export = export_compressed(pruned, point_dir / "export", tokenizer)  # atomic, with its manifest
     atomic_write_json(point_dir / "manifest.json", pruned.moe_lab_manifest)
     row = _row(p, pruned, _evaluate_export(cfg, export, point_dir, _name(p)))
     del pruned
@@ -113,6 +113,7 @@ def expert_removal_task(cfg: DictConfig) -> dict:
     if cfg.get("eval") is None or not cfg.eval.get("datasets"):
         raise ValueError("task=expert_removal needs an evaluation group: eval=math7 (the paper's seven math sets)")
     model, tokenizer = load_model(cfg.model)
+    tokenizer = _saveable(tokenizer)  # written into every export (None: evaluated with model.tokenizer)
     view = find_moe_layers(model)[0]
     points = plan(t, view.num_experts, view.top_k)
     needs_scores = any(p["strategy"] != "inference_reduce" for p in points)
@@ -123,12 +124,8 @@ def expert_removal_task(cfg: DictConfig) -> dict:
     rows = []
     base_dir = out / "points" / "base"
     base_dir.mkdir(parents=True, exist_ok=True)
-    export = base_dir / "export"
-    model.save_pretrained(export)
-    _save_tokenizer(tokenizer, export)
     routing = routing_files(cfg.model.get("pretrained"))
-    for path in routing:  # the base row under the model's own routing, as task=evaluate of the export would
-        shutil.copy2(path, export / path.name)
+    export = atomic_export(base_dir / "export", lambda tmp: _write_base(model, tokenizer, routing, tmp))
     if routing:
         names = ", ".join(p.name for p in routing)
         print(f"expert_removal: base row evaluated with the routing of {names}; pruned points with the pruned "
@@ -145,7 +142,7 @@ def expert_removal_task(cfg: DictConfig) -> dict:
             rows.append(_removal_point(cfg, p, model, cal, tokenizer, out / "points" / _name(p)))
     df = pd.DataFrame(rows)
 
-    write_csv(df.to_dict("records"), out / "removal_points.csv")
+    write_csv(df.to_dict("records"), out / "removal_points.csv")  # atomic
     base = df[df.strategy == "base"].iloc[0]
     fits = {}
     for (strategy, score), grp in df[df.strategy.isin(["small_dense", "small_moe"])].groupby(["strategy", "score"]):
@@ -178,21 +175,39 @@ def expert_removal_task(cfg: DictConfig) -> dict:
             markdown_table(fit_rows, {"series": "series", "form": "form", "status": "status", "r2": "R²",
                                       "n90": "N at 90% base", "params": "parameters"}, {"r2": ".4f", "n90": ".4g"})
             if fit_rows else "no Small Dense / Small MoE series to fit\n"]
-    (out / "removal.md").write_text("\n".join(text))
+    atomic_write_text(out / "removal.md", "\n".join(text))
     summary = {"removal/base/mean": float(base["mean"])}
     summary |= {f"removal/{r['strategy']}/n{r['n']}_k{r['k']}" + (f"/{r['score']}" if r["score"] else ""): r["mean"]
                 for r in rows[1:]}
-    (out / "removal_summary.json").write_text(json.dumps({"points": summary, "fits": fits}, indent=2, default=str))
+    atomic_write_json(out / "removal_summary.json", {"points": summary, "fits": fits}, default=str)
     log_images(cfg, {"removal/accuracy_vs_params": png}, summary)
     print(f"==== moe-lab expert_removal: {len(rows) - 1} points -> {out / 'removal.md'}", flush=True)
     return summary
 
 
-def _save_tokenizer(tokenizer, path: Path) -> None:
+def _saveable(tokenizer):
+    """``tokenizer`` if it can be saved, else None (a tokenizer that cannot be saved is reloaded from
+    model.tokenizer)."""
+    import tempfile
+
     try:
-        tokenizer.save_pretrained(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
     except (AttributeError, NotImplementedError, TypeError, ValueError, OSError):
-        pass  # a tokenizer that cannot be saved (the tiny byte tokenizer) is reloaded from model.tokenizer
+        return None
+    return tokenizer
+
+
+def _write_base(model, tokenizer, routing: list[Path], tmp: Path) -> None:
+    """The base row's export: the model as loaded, its tokenizer, the routing files of its source (the base row
+    under the model's own routing, as task=evaluate of that source would) and a manifest naming it the base."""
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    for path in routing:
+        shutil.copy2(path, tmp / path.name)
+    atomic_write_json(tmp / MANIFEST_FILE, {"method": "none", "expert_removal": "base (unpruned)",
+                                            "source": str(model.config.name_or_path or "")}, indent=1)
 
 
 __all__ = ["SCORE_LABELS", "expert_removal_task", "plan"]

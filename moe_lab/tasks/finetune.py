@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -18,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from .. import slurm
+from ..atomic import atomic_write_json
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..methods.precision import export_in_load_dtype
@@ -202,7 +202,7 @@ def _finetune(cfg: DictConfig) -> dict:
             export_in_load_dtype(module.patch)  # fp32 master weights are written in the load dtype
             module.patch.export(out / "export", tokenizer=tokenizer)
             summary["export"] = str(out / "export")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(out / "summary.json", summary)
         print(summary_block(summary, out), flush=True)
     if interrupted:
         requeue(on_signal.signum)  # in a submitit SLURM job, SIGUSR1/2: submitit requeues and exits

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..compress.dense import export_compressed
 from ..compress.sweep import ppl_point
 from ..models import load_model
@@ -116,7 +116,7 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                    "config_class": None, "config": None}
     distill_cfg = stage_config(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
     # the stage's config.yaml, as run.py writes one per run: task=evaluate reads the method (kd: a dense export loads)
-    (out / "distill" / "config.yaml").write_text(OmegaConf.to_yaml(distill_cfg, resolve=True))
+    atomic_write_text(out / "distill" / "config.yaml", OmegaConf.to_yaml(distill_cfg, resolve=True))
     distilled = finetune(distill_cfg)
     summary["distill"] = {k: distilled.get(k) for k in ("global_step", "train/loss", "kd/kl", "kd/top1_agreement",
                                                          "wall_time_s", "export")}

@@ -13,7 +13,7 @@ from ..analysis.estimate import architecture_config
 from ..analysis.meta_costs import count_parameters, meta_model, quiet_init
 from ..analysis.offload import all_experts, fetches, needed
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..callbacks.routing_log import model_signature, read_routing_log
 
 PACKED_NOTE = ("transformers v5 packs each layer's experts into one tensor: ZeRO-3 (a leaf module) gathers the whole "
@@ -94,7 +94,7 @@ def offload_task(cfg: DictConfig) -> dict:
             f"\n**Granularity**: {PACKED_NOTE}.\n",
             ("\nPaper (Table 4, DeepSeek-V2-Lite, 8xH100, ZeRO offload, batch 32, measured time per 10 iterations): "
              "DenseMixer 362.83 s (1x), SFT 152.78 s (2.37x), ExpertCondenser 126.24 s (2.87x).\n")]
-    (out / "offload.md").write_text("\n".join(text))
+    atomic_write_text(out / "offload.md", "\n".join(text))
     fig = Figure(figsize=(9, 4), dpi=150, layout="constrained")
     ax = fig.subplots()
     colours = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2"]

@@ -11,7 +11,6 @@ meta device) and nothing trains. Printed and written to ``<run dir>/plan.json``:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ..atomic import atomic_write_json
 from ..methods.schedules import lr_multiplier, warmup_steps_for
 from .memory_fit import ASSUMED_GPU_GB, device_memory_gb, fitting, memory_estimate, node_gpus, world_size
 
@@ -253,9 +253,7 @@ def plan(cfg: DictConfig) -> dict:
     lines += [f"eval: {name}: {where}" for name, where in evals] or ["eval: none"]
     lines.append(f"output directory: {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "plan.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(out_dir / "plan.json")
+    atomic_write_json(out_dir / "plan.json", summary, default=str)
     print("==== moe-lab plan (nothing loaded, nothing trained) ====\n" + "\n".join(f"  {line}" for line in lines),
           flush=True)
     return summary
