@@ -192,7 +192,7 @@ def scaled_experts(view: MoELayerView, layer_plan: LayerPlan, fold: float) -> di
 
 
 def _shared_width(view: MoELayerView) -> int:
-    return 0 if view.shared is None else view.shared.gate_proj.weight.shape[0]
+    return 0 if view.shared is None else mlp_projections(view.shared)[0].weight.shape[0]
 
 
 def dense_width(views: list[MoELayerView]) -> int:

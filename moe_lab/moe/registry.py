@@ -231,6 +231,14 @@ def _hy_v3_rule(config) -> RoutingRule:
                             weights_in_logits_dtype=False)
 
 
+def _inkling2_rule(config) -> RoutingRule:
+    if config.scoring_func != "sigmoid":  # the router's ACT2FN[scoring_func]
+        raise ValueError(f"scoring_func={config.scoring_func!r} is not supported: the routing rule of "
+                         f"{config.model_type} is the checkpoints' scoring_func='sigmoid'")
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.route_scale), sorted_topk=False, weights_in_logits_dtype=False)
+
+
 def _afmoe_rule(config) -> RoutingRule:
     return _block_bias_rule(config, logits_upcast=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
                             scaling=float(config.route_scale), weights_in_logits_dtype=False)
@@ -533,6 +541,14 @@ _ADDED_OWN += (
                notes="top-k of the logits, then an fp32 softmax over them (or their sigmoid, expert_selection_fn), "
                "weights in the input dtype; optional shared experts summed or averaged; HF computes no aux loss "
                "(native 0; an explicit coefficient adds the Switch loss)"),
+)
+_ADDED_OWN += (
+    FamilySpec("inkling2_text", "Inkling2SparseMoeBlock", "gate", _inkling2_rule, expert_act="apply_gate",
+               aux_loss="sequence", aux_loss_field=None,
+               dense_target=DenseTarget("k_experts", _k_experts("n_routed_experts")),
+               notes="fp32 sigmoid (scoring_func) top-k with the router's selection bias, renormalised, route_scale; "
+               "softcapped-SwiGLU experts summed in fp32; no shared expert; HF computes no aux loss (native 0); "
+               "sliding / full attention with block attention residuals"),
 )
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)
 NO_DENSE_TARGET: dict[str, str] = {
