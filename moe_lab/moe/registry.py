@@ -25,7 +25,8 @@ class DenseTarget:
     ``"k_experts"`` = the family's own class with k routed experts of the teacher's width (the k representatives)
     and top_k = k, so that a zeroed router selects all of them with one constant weight (where the experts' width
     field also sizes the shared experts, or the block itself does more than sum its experts). A routed target's
-    down projections are divided by the weight its block gives an expert (``compress.dense.routed_weight``).
+    down projections are divided by the weight its block gives an expert (``compress.dense.routed_weight``); a
+    k_experts student's zeroed router still receives gradients in distillation (freeze it to keep the weights fixed).
     config_class: transformers config class of the target (None = the teacher's). overrides(config, width):
     the target config fields that differ from the teacher's.
     """

@@ -16,7 +16,14 @@ from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.registry import FAMILIES
 from moe_lab.moe.routing import router_logits, select_topk
 from moe_lab.moe.view import find_moe_layers
-from tests.conftest import ADDED_FAMILIES, assert_same_weights, build_tiny, random_batch, rehomed
+from tests.conftest import (
+    _ALL_FAMILIES_ONLY,
+    ADDED_FAMILIES,
+    assert_same_weights,
+    build_tiny,
+    random_batch,
+    rehomed,
+)
 
 DENSE_FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral",
                   # one added family per target mechanism: own class all dense (sigmoid, group-limited: glm4_moe;
@@ -25,9 +32,11 @@ DENSE_FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3
                   # averaged shared path: cohere2_moe; softmax renormalised, moe_topk: hunyuan_v1_moe)
                   "glm4_moe", "lfm2_moe", "laguna", "jamba", "minimax_m2", "minimax_m3_vl_text", "axk1", "cohere2_moe",
                   "hunyuan_v1_moe"]
-# + every other added family with a dense target, under -m slow (suite time)
-DENSE_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=pytest.mark.slow) for f in ADDED_FAMILIES
-                                 if FAMILIES[f].dense_target is not None and f not in DENSE_FAMILIES]
+_OTHERS = [f for f in ADDED_FAMILIES if FAMILIES[f].dense_target is not None and f not in DENSE_FAMILIES]
+# the conversion's mechanism tests: every other family with a dense target only with MOE_LAB_ALL_FAMILIES=1 (as the
+# method x family tests; suite time); the vanilla-reload test: every family with a dense target in every run
+DENSE_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=_ALL_FAMILIES_ONLY) for f in _OTHERS]
+RELOAD_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=pytest.mark.slow) for f in _OTHERS]
 # fp32 tolerance for sums of ~k*I products of O(1) terms computed in a different order
 ATOL = 64 * torch.finfo(torch.float32).eps
 
@@ -136,7 +145,7 @@ def test_all_experts_zero_router_whole_model_equals_moe(family):
     torch.testing.assert_close(_logits(student, batch), want, rtol=0, atol=ATOL * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("family", DENSE_PARAMS)
+@pytest.mark.parametrize("family", RELOAD_PARAMS)
 def test_copied_parameters_and_vanilla_reload(family, tmp_path):
     """Embeddings, attention, norms, lm_head bit-identical (test 16); the export reloads in vanilla
     transformers with identical weights and, in aligned memory, identical logits; the manifest records the plan."""
