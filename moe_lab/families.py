@@ -41,6 +41,11 @@ REFUSED: dict[str, str] = {
     "nemotron_h": "experts run in a latent space (fc1 / fc2_latent_proj around them) and are non-gated (up / "
                   "down, relu2)",
     "zaya": "the router is an MLP on a down-projected state carried across layers, with a skip expert",
+    "inkling2_loop_text": "looped decoder: layers loop_layer_index_start..loop_layer_index_end-1 run their MoE block "
+                          "loop_num_passes times per forward (each pass routes every token again, on the previous "
+                          "pass's messages), so a layer's routing statistics count each token several times "
+                          "(DESIGN invariant 3: once per token) and its calibration mixes passes; the uniform view "
+                          "has no pass index. The block itself is Inkling-2's (supported: inkling2_text)",
     "qwen3_5_moe": _COMPOSITE.format("qwen3_5_moe_text"),
     "qwen4_exp": _COMPOSITE.format("qwen4_exp_text"),
     "dots3_note": _COMPOSITE.format("dots3_note_text"),
@@ -48,10 +53,7 @@ REFUSED: dict[str, str] = {
     "gemma4": _COMPOSITE.format("gemma4_text"),
 }
 # model_type -> note: MoE model types nobody has examined yet
-NOT_LOOKED_AT: dict[str, str] = {
-    "inkling2_text": "router with a configurable score_fn and experts with their own forward; not mapped yet",
-    "inkling2_loop_text": "as inkling2_text (looped decoder); not mapped yet",
-}
+NOT_LOOKED_AT: dict[str, str] = {}
 
 COLUMNS = ("conformance", "sft", "frozen_router", "esft", "densemixer", "condenser", "compressed_experts", "lora",
            "calibrate/to_dense/prune", "condense", "kd")

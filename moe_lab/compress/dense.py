@@ -3,6 +3,18 @@ them into k groups, merge each group by score-weighted averaging, scale the down
 the k representatives (shared experts first, unscaled) into one dense FFN; write it into the vanilla HF
 architecture named by the family registry (``FamilySpec.dense_target``).
 
+Sigmoid routers (DeepSeek-V3 line, GLM-4.5, dots, Kimi, MiniMax-M2, ...): [P2] covers softmax routers only
+(Qwen3, GPT-OSS, DeepSeek-V2-Lite). Its probability p is read as the family's per-expert score, the sigmoid
+affinity (spec 2.2; manifest ``calibration.p_definition = sigmoid_scores``), and the alphas keep the routed mass:
+uniform / proportional sum to the block's routed scaling (routed_scaling_factor, times an output scaling where
+the block applies one: :func:`routed_mass`), the mass a renormalising router applies; ``conditional`` (routed
+scaling x mean CP, CP = the mean affinity when selected, i.e. the weight a non-renormalising sigmoid router
+applies on average) is for routers that do not renormalise, as for softmax.
+
+Targets (``DenseTarget.form``): ``mlp`` (a dense class), ``one_expert`` / ``k_experts`` (the family's own class
+with one expert of width k*I, or the k representatives, all selected by a zeroed router; the down projections are
+divided by the constant weight that router applies, :func:`routed_weight`).
+
 ``to_dense(model, calibration, score=, grouping=, scaling=, K=)`` returns the student;
 ``export_compressed(student, path, tokenizer)`` writes save_pretrained + tokenizer + ``compress_manifest.json``.
 :class:`DenseBuilder` keeps one student skeleton and rewrites only its FFNs (used by sweeps).
@@ -23,6 +35,8 @@ from torch import nn
 from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import atomic_export
+from ..moe.routing import select_topk
+from ..moe.support import undefined_reason
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
 from .calibration import Calibration
 from .grouping import GROUPINGS, clustering_distance, group_experts, rank
@@ -30,7 +44,8 @@ from .merge import SCALINGS, check_scaling, merge_coefficients, merge_group, sca
 from .scores import DOPT_METHODS, select_experts
 from .scores import scores as expert_scores
 
-MLP_PROJ = ("gate_proj", "up_proj", "down_proj")  # the HF gated-MLP convention of every dense target
+# the HF gated-MLP naming conventions (gate, up, down) of the dense targets' MLPs: Llama-style, LFM2-style
+MLP_PROJS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 MANIFEST_FILE = "compress_manifest.json"
 log = logging.getLogger(__name__)
 
@@ -69,6 +84,16 @@ def layer_distance(view: MoELayerView, stats: dict, grouping: str) -> torch.Tens
                                expert_features=(view.gate_up_proj, view.down_proj), gram=stats.get("gram"))
 
 
+def routed_mass(view: MoELayerView) -> float:
+    """The factor the block applies to its routed mixture beyond the top-k weights' normalisation: the router's
+    routed scaling times the block's output scaling (registry ``output_scaling_field``: Beam, Laguna, MiniMax-M3).
+    A renormalising router's weights sum to it; uniform / proportional alphas are scaled to sum to it."""
+    scale = float(view.rule.scaling)
+    if view.spec.output_scaling_field:
+        scale *= float(getattr(view.config, view.spec.output_scaling_field))
+    return scale
+
+
 def plan_layer(view: MoELayerView, stats: dict, score: torch.Tensor, ranked: list[int], grouping: str,
                scaling: str, cp: torch.Tensor | None = None, distances: dict | None = None) -> LayerPlan:
     """Group the ranked selected experts of one layer, merge coefficients and alphas (spec 2.5-2.7).
@@ -83,7 +108,7 @@ def plan_layer(view: MoELayerView, stats: dict, score: torch.Tensor, ranked: lis
         distance = distances[key]
     groups = group_experts(grouping, ranked, k, router_weight=view.router_weight.detach(), distance=distance)
     coefficients = [merge_coefficients(score, g) for g in groups]
-    alpha = scaling_coefficients(scaling, groups, score, k, cp=cp, routed_scaling=view.rule.scaling)
+    alpha = scaling_coefficients(scaling, groups, score, k, cp=cp, routed_scaling=routed_mass(view))
     return LayerPlan(view.index, list(ranked), groups, coefficients, alpha)
 
 
@@ -101,7 +126,7 @@ def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", g
     check_K(K, k, E)
     check_choice("grouping", grouping, GROUPINGS)
     check_choice("scaling", scaling, SCALINGS)
-    check_scaling(scaling, views[0].rule.normalises_topk, views[0].rule.scaling)
+    check_scaling(scaling, views[0].rule.normalises_topk, routed_mass(views[0]))
     check_choice("order", order, ("score", "greedy"))
     if score_values is None:
         score_values = expert_scores(calibration, score, seed=seed)
@@ -141,22 +166,43 @@ def concat_experts(view: MoELayerView, reps: list[dict], alpha: torch.Tensor) ->
     }
 
 
-def layer_ffn(view: MoELayerView, layer_plan: LayerPlan) -> dict[str, torch.Tensor]:
-    """The merged, scaled, concatenated routed part of one layer (one packed expert)."""
+def representatives(view: MoELayerView, layer_plan: LayerPlan) -> list[dict[str, torch.Tensor]]:
+    """The k merged representatives of one layer (one packed expert each, unscaled)."""
     params = view.expert_parameters()
-    reps = [merge_group(params, g, c) for g, c in zip(layer_plan.groups, layer_plan.coefficients)]
-    return concat_experts(view, reps, layer_plan.alpha)
+    return [merge_group(params, g, c) for g, c in zip(layer_plan.groups, layer_plan.coefficients)]
+
+
+def _folded(alpha: torch.Tensor, fold: float) -> torch.Tensor:
+    return alpha if fold == 1.0 else alpha.double() / fold
+
+
+def layer_ffn(view: MoELayerView, layer_plan: LayerPlan, fold: float = 1.0) -> dict[str, torch.Tensor]:
+    """The merged, scaled, concatenated routed part of one layer (one packed expert); the down projections are
+    scaled by alpha / ``fold`` (``fold``: the factor a one-expert target's block applies to its one expert)."""
+    return concat_experts(view, representatives(view, layer_plan), _folded(layer_plan.alpha, fold))
+
+
+def scaled_experts(view: MoELayerView, layer_plan: LayerPlan, fold: float) -> dict[str, torch.Tensor]:
+    """The k representatives packed as k experts ([k, ...] each tensor), representative g's down projection (and
+    down bias) scaled by alpha_g / ``fold``: the routed part of a ``k_experts`` target."""
+    alpha = [float(a) for a in _folded(layer_plan.alpha, fold)]
+    reps = representatives(view, layer_plan)
+    return {name: torch.stack([(r[name].double() * a).to(r[name].dtype) if name.startswith("down_proj") else r[name]
+                               for r, a in zip(reps, alpha)]) for name in reps[0]}
 
 
 def _shared_width(view: MoELayerView) -> int:
-    return 0 if view.shared is None else view.shared.gate_proj.weight.shape[0]
+    return 0 if view.shared is None else mlp_projections(view.shared)[0].weight.shape[0]
 
 
 def dense_width(views: list[MoELayerView]) -> int:
-    """Width of the student's FFN: k*I (+ the shared experts' width where they are concatenated in)."""
+    """Width of the student's FFN: k*I (+ the shared experts' width where they are concatenated in); the width
+    of one expert for a ``k_experts`` target."""
     view = views[0]
     target = _target(view)
     routed = view.top_k * expert_intermediate_size(view)
+    if target.form == "k_experts":  # k experts of the teacher's width
+        return expert_intermediate_size(view)
     return routed + (_shared_width(view) if target.form == "mlp" else 0)
 
 
@@ -165,8 +211,8 @@ def _target(view: MoELayerView):
     if target is None:
         raise ValueError(
             f"model_type {view.spec.model_type!r} has no vanilla dense target (FamilySpec.dense_target is None: "
-            f"{view.spec.notes or 'no dense HF class reproduces its blocks'}); convert another family or add a "
-            "DenseTarget for it in moe_lab/moe/registry.py"
+            f"{undefined_reason('to_dense', view.spec, view.rule)}); convert another family or add a DenseTarget "
+            "for it in moe_lab/moe/registry.py"
         )
     if target.form == "mlp" and view.spec.shared_gate_attr is not None:
         raise ValueError(f"{view.spec.model_type}: a gated shared expert cannot be folded into a plain MLP target")
@@ -237,11 +283,14 @@ class DenseBuilder:
         student = build_uninitialised(config, load_dtype(teacher))  # a bf16-loaded teacher: a bf16 student
         self.student = student.to(next(teacher.parameters()).device).eval()
         self._copy_backbone()
+        self.fold = 1.0 if self.target.form == "mlp" else routed_weight(self.student)
 
     def _ffn_prefixes(self) -> list[str]:
         if self.target.form == "mlp":
             return [v.name + "." for v in self.views]
-        return [f"{v.name}.{part}." for v in self.views for part in ("experts", v.spec.router_attr)]
+        spec = self.views[0].spec
+        parts = ["experts.", spec.router_attr + "."] + ([spec.correction_bias_attr] if spec.correction_bias_attr else [])
+        return [f"{v.name}.{part}" for v in self.views for part in parts]  # + a block-held selection bias
 
     @torch.no_grad()
     def _copy_backbone(self) -> None:
@@ -267,13 +316,14 @@ class DenseBuilder:
     def write(self, plans: dict[int, LayerPlan]) -> nn.Module:
         """Rewrite every student FFN from ``plans`` (one per MoE layer); returns the student."""
         for view in self.views:
-            ffn = layer_ffn(view, plans[view.index])
             module = self.student.get_submodule(view.name)
             if self.target.form == "mlp":
-                self._write_mlp(module, view, ffn)
+                self._write_mlp(module, view, layer_ffn(view, plans[view.index]))
             else:
-                for name, tensor in ffn.items():
-                    getattr(module.experts, name)[0].copy_(tensor)
+                packed = (scaled_experts(view, plans[view.index], self.fold) if self.target.form == "k_experts"
+                          else {n: t[None] for n, t in layer_ffn(view, plans[view.index], self.fold).items()})
+                for name, tensor in packed.items():
+                    getattr(module.experts, name).copy_(tensor)
                 router = getattr(module, view.spec.router_attr)
                 for p in router.parameters():
                     p.zero_()
@@ -284,12 +334,39 @@ class DenseBuilder:
         gate, up = ffn["gate_up_proj"].chunk(2, dim=0)
         down = ffn["down_proj"]
         if view.shared is not None:
-            shared = view.shared
-            gate = torch.cat([shared.gate_proj.weight, gate])
-            up = torch.cat([shared.up_proj.weight, up])
-            down = torch.cat([shared.down_proj.weight, down], dim=1)
-        for name, tensor in zip(MLP_PROJ, (gate, up, down)):
-            getattr(module, name).weight.copy_(tensor)
+            s_gate, s_up, s_down = (p.weight for p in mlp_projections(view.shared))
+            gate, up, down = torch.cat([s_gate, gate]), torch.cat([s_up, up]), torch.cat([s_down, down], dim=1)
+        for proj, tensor in zip(mlp_projections(module), (gate, up, down)):
+            proj.weight.copy_(tensor)
+
+
+def mlp_projections(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The (gate, up, down) Linears of a gated MLP, under any of the HF naming conventions ``MLP_PROJS``."""
+    for names in MLP_PROJS:
+        if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+            return tuple(getattr(module, n) for n in names)
+    raise ValueError(f"{type(module).__name__} is not a gated MLP with separate Linears named "
+                     f"{' or '.join('/'.join(n) for n in MLP_PROJS)}: not a dense-target MLP")
+
+
+@torch.no_grad()
+def routed_weight(student: nn.Module) -> float:
+    """The factor a routed (one_expert / k_experts) student's block applies to each of its experts' outputs: the
+    weight its routing rule gives every expert when all logits (router zeroed) and selection biases are 0 and
+    top_k = num_experts selects them all (softmax / renormalised: routed scaling / E'; a sigmoid router that does
+    not renormalise: sigmoid(0) = 0.5 times it), times the block's output scaling. The routed down projections are
+    divided by it, so that the block applies exactly alpha."""
+    view = find_moe_layers(student)[0]
+    rule = view.rule
+    if rule.top_k != rule.num_experts:
+        raise ValueError(f"{student.config.model_type}: a routed dense target must select all of its experts, got "
+                         f"num_experts={rule.num_experts}, top_k={rule.top_k}")
+    zero = torch.zeros(1, rule.num_experts)
+    weights, _ = select_topk(rule, zero, False, correction_bias=zero[0] if rule.uses_correction_bias else None)
+    if not torch.all(weights == weights[0, 0]):
+        raise ValueError(f"{student.config.model_type}: the routed dense target weighs its experts unequally "
+                         f"({weights.tolist()}) with a zero router")
+    return float(weights[0, 0]) * routed_mass(view) / float(rule.scaling)
 
 
 def to_dense(model: nn.Module, calibration: Calibration, score: str = "do_acp", grouping: str = "rr",
@@ -306,10 +383,10 @@ def to_dense(model: nn.Module, calibration: Calibration, score: str = "do_acp", 
                  lam=lam, seed=seed)
     builder = DenseBuilder(model)
     student = builder.write(plans)
-    routed_scaling = float(builder.views[0].rule.scaling)
+    routed_scaling = routed_mass(builder.views[0])
     if scaling != "conditional" and routed_scaling != 1.0:
-        log.info("compress.scaling=%s scaled by the router's routed_scaling_factor=%g: the alphas sum to the "
-                 "routed mass %g, not 1", scaling, routed_scaling, routed_scaling)
+        log.info("compress.scaling=%s scaled by the block's routed scaling %g: the alphas sum to the routed mass "
+                 "%g, not 1", scaling, routed_scaling, routed_scaling)
     knobs = {"score": score, "grouping": grouping, "scaling": scaling, "K": K or builder.views[0].top_k,
              "order": order, "lam": lam, "seed": seed, "routed_scaling": routed_scaling}
     student.moe_lab_manifest = manifest(calibration, knobs, plans)
@@ -320,7 +397,8 @@ def manifest(calibration: Calibration, knobs: dict, plans: dict[int, LayerPlan])
     """The conversion manifest: method, knobs, calibration identity, per-layer plan (spec 5.2)."""
     m = calibration.manifest
     return {"method": "moe_to_dense", **knobs,
-            "calibration": {"model": m.get("model"), "data": m.get("data"), "tokens": m.get("tokens")},
+            "calibration": {"model": m.get("model"), "data": m.get("data"), "tokens": m.get("tokens"),
+                            "p_definition": m.get("p_definition")},
             "layers": {str(i): p.to_json() for i, p in plans.items()}}
 
 

@@ -21,7 +21,12 @@ class DenseTarget:
     form: ``"mlp"`` = a dense class whose every decoder layer has one gated MLP (gate_proj/up_proj/down_proj)
     of the common width, shared experts concatenated into it and teacher dense layers zero-padded; or
     ``"one_expert"`` = the family's own class with ONE routed expert of width k*I that every token selects
-    with weight 1.0 (softmax / top-k over one logit), router zeroed, shared experts (and their gates) kept.
+    with weight 1.0 (softmax / top-k over one logit), router zeroed, shared experts (and their gates) kept; or
+    ``"k_experts"`` = the family's own class with k routed experts of the teacher's width (the k representatives)
+    and top_k = k, so that a zeroed router selects all of them with one constant weight (where the experts' width
+    field also sizes the shared experts, or the block itself does more than sum its experts). A routed target's
+    down projections are divided by the weight its block gives an expert (``compress.dense.routed_weight``); a
+    k_experts student's zeroed router still receives gradients in distillation (freeze it to keep the weights fixed).
     config_class: transformers config class of the target (None = the teacher's). overrides(config, width):
     the target config fields that differ from the teacher's.
     """
@@ -41,7 +46,41 @@ def _dense_deepseek(config, width) -> dict:
 
 
 def _one_expert_overrides(width_field: str, count_field: str, config, width) -> dict:
-    return {width_field: width, count_field: 1, "num_experts_per_tok": 1}
+    groups = {"n_group": 1, "topk_group": 1} if getattr(config, "n_group", None) else {}
+    return {width_field: width, count_field: 1, "num_experts_per_tok": 1, **groups}
+
+
+def _k_experts_overrides(count_field: str, top_k_field: str, config, width) -> dict:
+    groups = {"n_group": 1, "topk_group": 1} if getattr(config, "n_group", None) else {}
+    return {count_field: getattr(config, top_k_field), **groups}
+
+
+def _k_experts(count_field: str, top_k_field: str = "num_experts_per_tok"):
+    """Config overrides for a k-expert, top-k = k model of the same family (picklable)."""
+    return functools.partial(_k_experts_overrides, count_field, top_k_field)
+
+
+# the config switches that make a decoder layer dense, and their all-dense values (L = num_hidden_layers)
+_DENSE_SWITCHES: dict[str, Callable[[int], object]] = {
+    "mlp_layer_types": lambda n: ["dense"] * n, "first_k_dense_replace": lambda n: n,
+    "mlp_only_layers": lambda n: list(range(n)), "num_dense_layers": lambda n: n, "moe_layer_start_index": lambda n: n,
+}
+
+
+def _all_dense_overrides(width_field: str, config, width) -> dict:
+    n = config.num_hidden_layers
+    switches = {k: v(n) for k, v in _DENSE_SWITCHES.items() if getattr(config, k, None) is not None}
+    return {width_field: width, **switches}
+
+
+def _all_dense(width_field: str = "intermediate_size"):
+    """Config overrides for the family's own class with every decoder layer dense (each switch of
+    ``_DENSE_SWITCHES`` the config has), dense MLP width ``width`` in ``width_field`` (picklable)."""
+    return functools.partial(_all_dense_overrides, width_field)
+
+
+# the family's own class with every layer dense (its dense MLP: a plain SwiGLU, same activation as its experts)
+_ALL_DENSE = DenseTarget("mlp", _all_dense())
 
 
 def _one_expert(width_field: str, count_field: str):
@@ -191,6 +230,14 @@ def _hy_v3_rule(config) -> RoutingRule:
     return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
                             scaling=float(config.router_scaling_factor), sorted_topk=False,
                             weights_in_logits_dtype=False)
+
+
+def _inkling2_rule(config) -> RoutingRule:
+    if config.scoring_func != "sigmoid":  # the router's ACT2FN[scoring_func]
+        raise ValueError(f"scoring_func={config.scoring_func!r} is not supported: the routing rule of "
+                         f"{config.model_type} is the checkpoints' scoring_func='sigmoid'")
+    return _block_bias_rule(config, logits_fp32=True, uses_correction_bias=True, renormalize=True, renorm_eps=1e-20,
+                            scaling=float(config.route_scale), sorted_topk=False, weights_in_logits_dtype=False)
 
 
 def _afmoe_rule(config) -> RoutingRule:
@@ -359,31 +406,48 @@ _ADDED: tuple[FamilySpec, ...] = (
     _like("mixtral", "minimax", "MiniMaxSparseMoeBlock", notes="Mixtral block in a lightning-attention hybrid",
           dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts")),
           real_checkpoints=("MiniMaxAI/MiniMax-Text-01",)),
-    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", notes=_V3_NOTE + "; sparse (indexer) attention",
+    _like("deepseek_v3", "deepseek_v32", "DeepseekV32MoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; sparse (indexer) attention",
           real_checkpoints=("deepseek-ai/DeepSeek-V3.2-Exp",)),
-    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
+    _like("deepseek_v3", "sarvam_mla", "DeepseekV3MoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; DeepSeek-V3 modeling code"),
     _like("deepseek_v3", "axk1", "AXK1MoE", output_norm_attr="post_mlp_layernorm",
+          dense_target=DenseTarget("k_experts", _k_experts("num_local_experts")),
           notes=_V3_NOTE + "; an RMSNorm on the block output (post_mlp_layernorm)"),
     _like("deepseek_v3", "axk2", "AXK2MoE", routing_rule=_axk2_rule,
+          dense_target=DenseTarget("k_experts", _k_experts("num_local_experts")),
           notes=_V3_NOTE + ", but dropped groups filled with 0.0 on the biased scores (AXK2's reference)"),
     _like("deepseek_v3", "hy_v4", "HYV4MoE", expert_act="apply_gate",
+          dense_target=DenseTarget("k_experts", _k_experts("num_local_experts")),
           notes=_V3_NOTE + "; clamped-SwiGLU experts (swiglu_limit)"),
-    _like("deepseek_v3", "dots1", "Dots1MoE", notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
-    _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
-    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", notes=_V3_NOTE + "; MLA attention"),
-    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", notes=_V3_NOTE + "; sparse (indexer) attention"),
-    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", notes=_V3_NOTE + "; GLM-4-MoE modeling code"),
-    _like("deepseek_v3", "solar_open", "SolarOpenMoE", notes=_V3_NOTE),
-    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", notes=_V3_NOTE + "; KDA linear-attention hybrid",
+    _like("deepseek_v3", "dots1", "Dots1MoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE, real_checkpoints=("rednote-hilab/dots.llm1.inst",)),
+    _like("deepseek_v3", "glm4_moe", "Glm4MoeMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE, real_checkpoints=("zai-org/GLM-4.5-Air",)),
+    _like("deepseek_v3", "glm4_moe_lite", "Glm4MoeLiteMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; MLA attention"),
+    _like("deepseek_v3", "glm_moe_dsa", "GlmMoeDsaMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; sparse (indexer) attention"),
+    _like("deepseek_v3", "sarvam_moe", "Glm4MoeMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; GLM-4-MoE modeling code"),
+    _like("deepseek_v3", "solar_open", "SolarOpenMoE",
+          dense_target=DenseTarget("k_experts", _k_experts("num_local_experts")), notes=_V3_NOTE),
+    _like("deepseek_v3", "kimi_linear", "KimiLinearMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; KDA linear-attention hybrid",
           real_checkpoints=("moonshotai/Kimi-Linear-48B-A3B-Instruct",)),
-    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", notes=_V3_NOTE + "; indexed attention"),
-    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", notes=_V3_NOTE + "; sliding-window hybrid"),
-    _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None,
+    _like("deepseek_v3", "dots3_note_text", "Dots3NoteTextMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; indexed attention"),
+    _like("deepseek_v3", "exaone_moe", "ExaoneMoeSparseMoEBlock", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; sliding-window hybrid"),
+    _like("deepseek_v3", "mimo_v2_flash", "MiMoV2FlashMoE", shared_attr=None, dense_target=_ALL_DENSE,
           notes=_V3_NOTE + "; no shared expert; sliding-window hybrid"),
     _like("mixtral", "jamba", "JambaSparseMoeBlock", router_attr="router", jitter_field=None,
           routing_rule=functools.partial(_softmax_rule, renormalize=False),
+          dense_target=DenseTarget("mlp", _one_expert("intermediate_size", "num_experts"),
+                                   note="num_experts=1 builds JambaMLP in every layer"),
           notes="softmax top-k, not renormalised; Mamba + attention hybrid, MoE every expert_layer_period layers"),
-    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", notes=_V3_NOTE + "; linear-attention hybrid"),
+    _like("deepseek_v3", "bailing_hybrid", "BailingHybridMoE", dense_target=_ALL_DENSE,
+          notes=_V3_NOTE + "; linear-attention hybrid"),
 )
 _ADDED_OWN: tuple[FamilySpec, ...] = tuple(
     FamilySpec(
@@ -401,6 +465,7 @@ _ADDED_OWN: tuple[FamilySpec, ...] = tuple(
 _ADDED_OWN += (
     FamilySpec("flint", "FlintSparseMoeBlock", "gate", functools.partial(_fp32_rule, "sigmoid"),
                shared_attr="shared_expert",
+               dense_target=_ALL_DENSE,
                notes="fp32 sigmoid top-k (renormalised), ungated shared expert; sliding-window hybrid"),
     FamilySpec("lara_mini", "LaraMiniSparseMoeBlock", "gate", functools.partial(_fp32_rule, "softmax"),
                shared_attr="shared_expert",
@@ -411,14 +476,17 @@ _ADDED_OWN += (
 _ADDED_OWN += (
     FamilySpec("minimax_m2", "MiniMaxM2SparseMoeBlock", "gate", _minimax_m2_rule,
                correction_bias_attr="e_score_correction_bias", jitter_field="router_jitter_noise",
+               dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_experts")),
                notes="sigmoid of the fp32-cast logits, selection bias held by the block, renormalised top-k"),
     FamilySpec("lfm2_moe", "Lfm2MoeSparseMoeBlock", "gate", _lfm2_moe_rule, correction_bias_attr="expert_bias",
                aux_loss="sequence", aux_loss_field=None,
+               dense_target=_ALL_DENSE,
                notes="sigmoid top-k in the input dtype, optional selection bias held by the block (use_expert_bias), "
                "routed scaling; HF computes no aux loss (as DeepSeek-V3: native coefficient 0); short-conv hybrid"),
     FamilySpec("hy_v3", "HYV3MoE", "gate", _hy_v3_rule, shared_attr="shared_experts",
                correction_bias_attr="e_score_correction_bias", fp32_combine_field="enable_moe_fp32_combine",
                aux_loss="sequence", aux_loss_field=None,
+               dense_target=_ALL_DENSE,
                notes="fp32 sigmoid top-k, selection bias held by the block, routed scaling, shared expert summed in "
                "fp32 (enable_moe_fp32_combine); HF computes no aux loss (native coefficient 0)"),
 )
@@ -426,16 +494,19 @@ _ADDED_OWN += (
     FamilySpec("afmoe", "AfmoeSparseMoeBlock", "router", _afmoe_rule, router_weight_attr="gate.weight",
                shared_attr="shared_experts", shared_after_router=True, correction_bias_attr="expert_bias",
                aux_loss="sequence", aux_loss_field=None,
+               dense_target=_ALL_DENSE,
                notes="sigmoid top-k of the fp32-cast logits, selection bias held by the block, route_scale, shared "
                "experts; router weight in a wrapped Linear; HF computes no aux loss (native coefficient 0)"),
     FamilySpec("hunyuan_v1_moe", "HunYuanMoEV1Moe", "gate", _hunyuan_rule, router_weight_attr="wg.weight",
                shared_attr="shared_mlp", shared_first=True, aux_loss="switch", aux_loss_field=None,
+               dense_target=DenseTarget("k_experts", _k_experts("num_experts", "moe_topk")),
                notes="softmax top-k renormalised, router weight in a wrapped Linear (gate.wg; fp32 when kept so), "
                "shared MLP; HF computes no aux loss (native 0; an explicit coefficient adds the Switch loss)"),
 )
 _ADDED_OWN += (
     FamilySpec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "gate", _ernie_rule, shared_attr="shared_experts",
                shared_first=True, correction_bias_attr="gate.moe_statics.e_score_correction_bias",
+               dense_target=_ALL_DENSE,
                notes="fp32 softmax top-k selected with a [1, E] correction bias, renormalised (moe_norm_min), weights "
                "in the input dtype; shared experts (moe_num_shared_experts)"),
 )
@@ -443,30 +514,50 @@ _ADDED_OWN += (
     FamilySpec("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", "gate", _minimax_m3_rule,
                shared_attr="shared_experts", shared_first=True, expert_act="apply_gate",
                output_scaling_field="routed_scaling_factor",
+               dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_experts")),
                notes="sigmoid of the fp32-cast logits + correction bias, renormalised; routed scaling on the mixture "
                "output; clamped-SwiGLU experts; shared expert"),
     FamilySpec("beam", "BeamMoE", "gate", _beam_rule, expert_act="apply_gate",
                output_scaling_field="routed_scaling_factor", aux_loss="sequence", aux_loss_field=None,
+               dense_target=_ALL_DENSE,
                notes="fp32 sigmoid + correction bias, group-limited top-2-sum, routed scaling on the mixture output, "
                "fp32 gated activation; HF computes no aux loss (native coefficient 0)"),
 )
 _ADDED_OWN += (
     FamilySpec("laguna", "LagunaSparseMoeBlock", "gate", _laguna_rule, shared_attr="shared_experts", shared_first=True,
                output_scaling_field="moe_routed_scaling_factor",
+               dense_target=_ALL_DENSE,
                notes="sigmoid + correction bias on soft-capped fp32-cast logits, renormalised, weights in the input "
                "dtype; routed scaling on the mixture output; shared expert"),
     FamilySpec("kolibri1", "Kolibri1SparseMoeBlock", "gate", _kolibri_rule, shared_attr="shared_experts",
                aux_loss="sequence", aux_loss_field=None,
+               dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
                notes="top-k of fp32 logits + correction bias, weights = sigmoid of the selected logits (renormalised); "
                "shared expert; HF computes no aux loss (native 0). On CUDA bf16 inference HF takes an fp32-output mm"),
 )
 _ADDED_OWN += (
     FamilySpec("cohere2_moe", "Cohere2MoeSparseMoeBlock", "gate", _cohere2_moe_rule, shared_attr="shared_experts",
                shared_combine_field="shared_expert_combination_strategy", aux_loss="switch", aux_loss_field=None,
+               dense_target=DenseTarget("k_experts", _k_experts("num_experts")),
                notes="top-k of the logits, then an fp32 softmax over them (or their sigmoid, expert_selection_fn), "
                "weights in the input dtype; optional shared experts summed or averaged; HF computes no aux loss "
                "(native 0; an explicit coefficient adds the Switch loss)"),
 )
+_ADDED_OWN += (
+    FamilySpec("inkling2_text", "Inkling2SparseMoeBlock", "gate", _inkling2_rule, expert_act="apply_gate",
+               aux_loss="sequence", aux_loss_field=None,
+               dense_target=DenseTarget("k_experts", _k_experts("n_routed_experts")),
+               notes="fp32 sigmoid (scoring_func) top-k with the router's selection bias, renormalised, route_scale; "
+               "softcapped-SwiGLU experts summed in fp32; no shared expert; HF computes no aux loss (native 0); "
+               "sliding / full attention with block attention residuals"),
+)
+# model_type -> why its family has no dense_target (every supported family has one or a reason here)
+NO_DENSE_TARGET: dict[str, str] = {
+    "phimoe": "no dense HF class has PhiMoE's backbone (LayerNorm with biases, optional attention and lm_head "
+              "biases), and a routed PhiMoE student is not dense: its sparsemixer always routes 2 experts and, with a "
+              "zeroed router, weighs them unequally (a masked softmax, then a softmax over the rest) and by Gumbel "
+              "sampling in training",
+}
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 
 

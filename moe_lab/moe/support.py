@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .registry import FamilySpec
+from .registry import NO_DENSE_TARGET, FamilySpec
 from .routing import RoutingRule
 
 
@@ -33,7 +33,7 @@ def _gate_up_only(spec: FamilySpec, rule: RoutingRule) -> str | None:
 
 def _dense_target(spec: FamilySpec, rule: RoutingRule) -> str | None:
     if spec.dense_target is None:
-        return "no vanilla dense HF target (registry dense_target is None)"
+        return NO_DENSE_TARGET.get(spec.model_type, "no vanilla dense HF target (registry dense_target is None)")
     return None
 
 
