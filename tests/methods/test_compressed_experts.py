@@ -52,7 +52,7 @@ def _oracle_hook(view, k_main: int, renormalize_main: bool = False):
         out = torch.zeros_like(flat)
         for e in main_i.unique().tolist():
             rows, cols = (main_i == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, main_w[rows, cols, None] * expert_forward(view, e, flat[rows]))
+            out[rows] += main_w[rows, cols, None] * expert_forward(view, e, flat[rows])  # rows: each token once
         return out.reshape(output.shape).to(output.dtype)
 
     return hook

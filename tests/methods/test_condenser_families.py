@@ -3,7 +3,7 @@ from the family's routing rule (the RoutingRule fields, not moe-lab's routing co
 HF: with no bias and no condensers it reproduces HF's own router on the same tokens.
 
 ``test_condenser_routing.py`` holds the per-family hand oracle of the core families (written from the HF
-configs) and all nine (bias mode, n, budget) combinations; here each family runs the four that cover every bias
+configs) and all nine (bias mode, n, budget) combinations; here each family runs three that cover every bias
 mode and budget with a planted bias and a forced condenser, on one model build per family.
 """
 
@@ -21,8 +21,7 @@ from tests.conftest import build_tiny, hf_route, method_families, random_batch
 
 DEFINED, REFUSED = method_families("condenser")
 CASES = [*DEFINED, "deepseek_v2_grouped"]
-MODES = [("logit_selection", "replace"), ("probability_selection", "append"), ("inside_softmax", "append_all"),
-         ("logit_selection", "append_all")]
+MODES = [("logit_selection", "append_all"), ("probability_selection", "replace"), ("inside_softmax", "append")]
 EPS = torch.finfo(torch.float32).eps
 
 
