@@ -72,6 +72,25 @@ def build_tiny(family: str, seed: int = 0, **config_overrides):
     return model
 
 
+def method_families(method: str) -> tuple[list[str], dict[str, str]]:
+    """(the supported families ``method`` is defined for, {family: reason} for those that refuse it), from each
+    family's tiny config and :mod:`moe_lab.moe.support` (the check ``moe_lab.apply`` refuses by)."""
+    from moe_lab.models import build_config
+    from moe_lab.moe.registry import family_spec, supported_families
+    from moe_lab.moe.support import undefined_reason
+
+    defined, refused = [], {}
+    for name in supported_families():
+        cfg = tiny_model_cfg(name)
+        spec = family_spec(name)
+        reason = undefined_reason(method, spec, spec.routing_rule(build_config(cfg.config_class, cfg.config)))
+        if reason is None:
+            defined.append(name)
+        else:
+            refused[name] = reason
+    return defined, refused
+
+
 def hf_route(view, router, x):
     """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
     a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]."""

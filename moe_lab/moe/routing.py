@@ -223,13 +223,17 @@ def select_topk(
         return weights, chosen
     scores = scores_from_logits(rule, logits)
     choice = logits if rule.select_on_logits else scores
-    if rule.uses_correction_bias and correction_bias is not None:
+    corrected = rule.uses_correction_bias and correction_bias is not None
+    if selection_bias is not None and bias_space not in BIAS_SPACES:
+        raise ValueError(f"bias_space={bias_space!r}: choose one of {', '.join(BIAS_SPACES)}")
+    # a softmax is not elementwise: the paper's s + b is taken before it, on the raw logits (l + b selects as
+    # softmax(l + b) does); a correction bias on the probabilities (ERNIE 4.5) stays: softmax(l + b) + c
+    before_softmax = selection_bias is not None and bias_space == "logits" and rule.score == "softmax"
+    if before_softmax and corrected:
+        choice = scores_from_logits(rule, logits + selection_bias)
+    if corrected:
         choice = choice + correction_bias
-    if selection_bias is not None:
-        if bias_space not in BIAS_SPACES:
-            raise ValueError(f"bias_space={bias_space!r}: choose one of {', '.join(BIAS_SPACES)}")
-        # a softmax is not elementwise: the paper's s + b is taken before it, on the raw logits
-        before_softmax = bias_space == "logits" and rule.score == "softmax"
+    if selection_bias is not None and not (before_softmax and corrected):
         choice = (logits if before_softmax else choice) + selection_bias
     if rule.n_group:  # forced and appended experts keep their weights outside the kept groups
         choice, scores = _group_limit(rule, choice, scores, forced if forced is not None else append)

@@ -1,4 +1,5 @@
-"""Expert Condenser routing against an independent hand computation on every supported family.
+"""Expert Condenser routing against an independent hand computation on the core families (every family it is
+defined for, from its routing rule: test_condenser_families.py).
 
 The oracle below reads only the HF config and router parameters (no moe-lab routing code): the paper's
 S = TopK(s + b) (sigmoid routers: b on the affinity; GPT-OSS: on the logits), then the family's own

@@ -1,15 +1,20 @@
-"""DenseMixer against a dense autograd oracle (DESIGN.md, "Methods, precisely")."""
+"""DenseMixer against a dense autograd oracle (DESIGN.md, "Methods, precisely"), on every supported family it is
+defined for; the others are refused by name."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 import moe_lab
 from moe_lab.methods.densemixer import dense_weights
-from tests.conftest import build_tiny, random_batch
+from moe_lab.moe.experts import expert_intermediate_size
+from tests.conftest import build_tiny, method_families, random_batch
+
+DEFINED, REFUSED = method_families("densemixer")
 
 
 def _hf_expert_output(experts, x, e):
@@ -18,48 +23,85 @@ def _hf_expert_output(experts, x, e):
     return experts(x, torch.full((n, 1), e, dtype=torch.long), torch.ones(n, 1, dtype=x.dtype))
 
 
-def _oracle_dense_weights(family, logits, indices, config):
-    """The dense weights written out per family, independently of the routing code."""
+def _oracle_dense_weights(rule, logits, indices):
+    """The dense weights written out from the routing rule's normalisation fields, independently of
+    ``dense_weights``: w_e = scaling * num_e / norm with num the per-expert score (softmax over all logits,
+    sigmoid, or exp of the logit for a softmax over the top-k) and norm the sum over the selected experts where
+    the rule normalises the top-k (else 1); inactive experts see stopgrad(norm)."""
+    assert rule.score in ("softmax", "sigmoid") or rule.softmax_over_topk, rule
     selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
-    if family == "olmoe" or family == "qwen2_moe":  # softmax, no renormalisation
-        return torch.softmax(logits.float(), dim=-1)
-    if family == "deepseek_v2":  # softmax, no renormalisation, routed scaling
-        return torch.softmax(logits.float(), dim=-1) * config.routed_scaling_factor
-    if family == "qwen3_moe" or family == "mixtral":  # softmax, renormalised over the top-k
-        p = torch.softmax(logits.float(), dim=-1)
-        s = (p * selected).sum(-1, keepdim=True)
-        return torch.where(selected, p / s, p / s.detach())
-    if family == "deepseek_v3":  # sigmoid, renormalised, routed scaling
-        p = torch.sigmoid(logits.float())
-        s = (p * selected).sum(-1, keepdim=True) + 1e-20
-        return torch.where(selected, p / s, p / s.detach()) * config.routed_scaling_factor
-    if family == "gpt_oss":  # softmax over the top-k logits, extended with a stop-grad normaliser
-        ex = torch.exp(logits.float())  # tiny logits: no max-subtraction needed
-        z = (ex * selected).sum(-1, keepdim=True)
-        return torch.where(selected, ex / z, ex / z.detach())
-    raise AssertionError(family)
+    lf = logits.float()
+    if rule.softmax_over_topk:
+        num = torch.exp(lf - lf.gather(1, indices).max(-1, keepdim=True).values.detach())
+        norm = (num * selected).sum(-1, keepdim=True)
+    else:
+        num = torch.sigmoid(lf) if rule.score == "sigmoid" else torch.softmax(lf, dim=-1)
+        norm = torch.ones_like(lf[:, :1])
+        if rule.renormalize:
+            norm = (num * selected).sum(-1, keepdim=True)
+            norm = norm if rule.renorm_min is None else norm.clamp(min=rule.renorm_min)
+            norm = norm + rule.renorm_eps
+    return torch.where(selected, num / norm, num / norm.detach()) * rule.scaling
 
 
-ORACLE_FAMILIES = ["olmoe", "qwen3_moe", "qwen2_moe", "deepseek_v2", "mixtral", "deepseek_v3", "gpt_oss"]
+def _hf_block(patch):
+    """A copy of the first vanilla HF block (own parameters) with its HF router class back; hooks record the
+    router's (logits, weights, indices) and the experts' input and output (the routed mixture) in its forward."""
+    view = patch.views[0]
+    block = copy.deepcopy(view.block)
+    router = getattr(block, patch.spec.router_attr)
+    router.__class__ = type(router).__mro__[1]  # moe-lab's routed router subclasses the HF router class
+    seen = {}
+
+    def on_router(module, args, out):
+        seen["route"] = tuple(t.reshape(-1, t.shape[-1]) for t in out)
+
+    def on_experts(module, args, out):
+        seen["x"], seen["mix"] = args[0], out
+
+    router.register_forward_hook(on_router)
+    block.experts.register_forward_hook(on_experts)
+    return block, seen
+
+
+def _first(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _expert_outputs(experts, x, num_experts):
+    with torch.no_grad():
+        return torch.stack([_hf_expert_output(experts, x, e) for e in range(num_experts)], dim=1)  # [N, E, H]
+
+
+def _anchored_weights(view, route):
+    """Oracle dense weights from HF's router outputs; at the selected experts they are HF's own weights."""
+    logits, weights, indices = route
+    w = _oracle_dense_weights(view.rule, logits, indices)
+    torch.testing.assert_close(w.gather(1, indices).detach(), weights.detach().float(), rtol=1e-6, atol=1e-7)
+    return w, indices
+
+
+def _length(view, tokens):
+    """Reductions per gradient / value entry: H and I per expert output, H for <g, E>, E experts, N tokens."""
+    return 2 * view.config.hidden_size + expert_intermediate_size(view) + view.num_experts + tokens
 
 
 @pytest.mark.parametrize("gradient", ["straight_through", "paper_eq15"])
-@pytest.mark.parametrize("family", ORACLE_FAMILIES)
+@pytest.mark.parametrize("family", DEFINED)
 def test_block_matches_dense_autograd_oracle(family, gradient):
-    """Every family DenseMixer supports (all but sparsemixer's PhiMoE), both router-gradient estimators.
+    """Every family DenseMixer is defined for, both router-gradient estimators.
 
-    Oracle: the surrogate loss <g, y_hf> + sum_(token, e) stopgrad(A_e) * w_e, with w the dense weights
-    written out per family above and A = (1 - M_e) <g, E_e(x)> (straight-through: every expert gets
-    <g, E_e(x)>, the selected ones through HF's own sparse path) or A = w_e <g, E_e(x)> (Eq. 15:
-    (w_e + M_e) <g, E_e(x)>, the M_e part again through HF's path); E_e run by HF's packed experts."""
+    Oracle: the surrogate loss <g, y_hf> + sum_(token, e) stopgrad(A_e) * w_e on HF's own block, with w the
+    dense weights written out from the routing rule (anchored to HF's weights at the selected experts) and,
+    with g_mix = d<g, y_hf>/d(the experts' mixture) (the block may scale, normalise or combine it),
+    A = (1 - M_e) <g_mix, E_e(x)> (straight-through: every expert gets <g_mix, E_e(x)>, the selected ones through
+    HF's own sparse path) or A = w_e <g_mix, E_e(x)> (Eq. 15: (w_e + M_e) <g_mix, E_e(x)>, the M_e part again
+    through HF's path); E_e run by HF's packed experts."""
     vanilla = build_tiny(family).train()
     ours = copy.deepcopy(vanilla)
     patch = moe_lab.apply(ours, "densemixer", gradient=gradient)
-    block = patch.layers[0]
-    hf_block = patch.views[0].block  # the vanilla block object shares the parameters ...
-    hf_block = copy.deepcopy(hf_block)  # ... so the oracle gets its own copy
-    hf_router_cls = type(vanilla.get_submodule(patch.views[0].name + "." + patch.spec.router_attr))
-    getattr(hf_block, patch.spec.router_attr).__class__ = hf_router_cls
+    block, view = patch.layers[0], patch.views[0]
+    hf_block, seen = _hf_block(patch)
 
     gen = torch.Generator().manual_seed(3)
     hidden = vanilla.config.hidden_size
@@ -68,32 +110,24 @@ def test_block_matches_dense_autograd_oracle(family, gradient):
 
     # moe-lab DenseMixer
     x1 = x.clone().requires_grad_(True)
-    y1 = block(x1)
-    y1 = y1[0] if isinstance(y1, tuple) else y1
+    y1 = _first(block(x1))
     (y1 * g).sum().backward()
 
-    # oracle: <g, y_hf> + sum over inactive (token, expert) of w_dense * <g, E_e(x)>.detach()
+    # oracle: <g, y_hf> + sum over (token, expert) of stopgrad(A) * w_dense on HF's block
     x2 = x.clone().requires_grad_(True)
-    y2 = hf_block(x2)
-    y2 = y2[0] if isinstance(y2, tuple) else y2
-    flat = x2.reshape(-1, hidden)
-    router = getattr(hf_block, patch.spec.router_attr)
-    logits = torch.nn.functional.linear(flat.float() if family.startswith("deepseek") else flat,
-                                        router.weight, getattr(router, "bias", None))
-    _, _, indices = router(flat)
-    with torch.no_grad():
-        contrib = torch.stack(
-            [(g.reshape(-1, hidden) * _hf_expert_output(hf_block.experts, flat, e)).sum(-1)
-             for e in range(block.num_experts)], dim=1)
-    w = _oracle_dense_weights(family, logits, indices, vanilla.config)
+    y2 = _first(hf_block(x2))
+    w, indices = _anchored_weights(view, seen["route"])
+    plain = (y2 * g).sum()
+    (g_mix,) = torch.autograd.grad(plain, seen["mix"], retain_graph=True)
+    flat = seen["x"].detach()
+    contrib = (g_mix.reshape(-1, 1, hidden) * _expert_outputs(hf_block.experts, flat, view.num_experts)).sum(-1)
     inactive = torch.ones_like(w, dtype=torch.bool).scatter_(1, indices, False)
     coefficient = contrib * inactive if gradient == "straight_through" else contrib * w.detach()
-    ((y2 * g).sum() + (w * coefficient).sum()).backward()
+    (plain + (w * coefficient).sum()).backward()
 
     assert torch.equal(y1, y2), "forward value must equal the conventional top-k output bit for bit"
-    # same math, summed in another order: reductions of lengths H and I per expert output, E experts and
-    # N tokens per gradient entry -> |difference| <= eps * (2H + I + E + N) * the largest gradient entry
-    length = 2 * hidden + patch.views[0].down_proj.shape[-1] + block.num_experts + flat.shape[0]
+    # same math, summed in another order: |difference| <= eps * (2H + I + E + N) * the largest gradient entry
+    length = _length(view, flat.shape[0])
 
     def close(got, want, msg=""):
         tol = torch.finfo(torch.float32).eps * length * want.abs().max()
@@ -107,8 +141,13 @@ def test_block_matches_dense_autograd_oracle(family, gradient):
             assert p.grad is None or not p.grad.any(), name
             continue
         close(p.grad, q.grad, name)
-    router_grad = getattr(block, patch.spec.router_attr).weight.grad
-    assert router_grad.abs().sum() > 0
+    assert view.router_weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_by_name_where_undefined(family):
+    with pytest.raises(ValueError, match=re.escape(f"densemixer is not defined for {family}: {REFUSED[family]}")):
+        moe_lab.apply(build_tiny(family), "densemixer")
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
@@ -202,14 +241,17 @@ def test_chunking_does_not_change_gradients():
     assert grads[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("family", ORACLE_FAMILIES)
+@pytest.mark.parametrize("family", DEFINED)
 def test_dense_forward_conventional_gradient_ablation(family):
-    """The paper's ablation: while training, value = y_hf + sum over inactive (token, e) of w_e E_e(x) (dense
-    weights written out per family, E_e by HF's packed experts); every gradient = conventional SFT's, bit for
-    bit (same upstream g); in eval mode the value is the conventional one, bit for bit.
+    """The paper's ablation: while training, the experts' mixture = HF's + sum over inactive (token, e) of
+    w_e E_e(x) (dense weights written out from the routing rule, E_e by HF's packed experts), and the block wraps
+    it as HF's block does (shared experts, scaling, norms: HF's block fed that mixture gives the block output bit
+    for bit); the mixture's gradients (same upstream g at the mixture) = conventional SFT's, bit for bit (at the
+    block output they differ where the block normalises its output: the norm sees the dense value); in eval mode
+    the value is the conventional one, bit for bit.
 
-    Value tolerance: the dense sum adds E - k terms to HF's output in another order, each term a chain of
-    reductions of lengths H and I: eps * (2H + I + E) * (|y_hf| + sum_e |w_e| |E_e(x)|)."""
+    Mixture tolerance: the dense sum adds E - k terms to HF's mixture in another order, each term a chain of
+    reductions of lengths H and I: eps * (2H + I + E) * (|mix_hf| + sum_e |w_e| |E_e(x)|)."""
     vanilla = build_tiny(family).train()
     conventional, ours = copy.deepcopy(vanilla), copy.deepcopy(vanilla)
     p_conv = moe_lab.apply(conventional, "sft")
@@ -218,42 +260,41 @@ def test_dense_forward_conventional_gradient_ablation(family):
     hidden = vanilla.config.hidden_size
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 7, hidden, generator=gen)
-    g = torch.randn(2, 7, hidden, generator=gen)
-    outs, inputs = [], []
+    g = torch.randn(14, hidden, generator=gen)
+    outs, inputs, mixtures = [], [], []
     for layer in (p_conv.layers[0], block):
+        mixer = layer.mixer
+        layer.mixer = lambda *args, mixer=mixer: mixtures.append(mixer(*args)) or mixtures[-1]
         x1 = x.clone().requires_grad_(True)
-        y = layer(x1)
-        y = y[0] if isinstance(y, tuple) else y
-        (y * g).sum().backward()
-        outs.append(y.detach())
+        outs.append(_first(layer(x1)).detach())
+        mixtures[-1].backward(g)
         inputs.append(x1.grad)
+        layer.mixer = mixer
     assert torch.equal(inputs[0], inputs[1])
     conv_params = dict(p_conv.layers[0].named_parameters())
     for name, param in block.named_parameters():
         ref = conv_params[name].grad
         assert (param.grad is None and ref is None) or torch.equal(param.grad, ref), name
+    assert view.router_weight.grad.abs().sum() > 0
 
-    flat = x.reshape(-1, hidden)
+    hf_block, seen = _hf_block(patch)
     with torch.no_grad():
-        router = getattr(view.block, patch.spec.router_attr)
-        logits = torch.nn.functional.linear(flat.float() if family.startswith("deepseek") else flat,
-                                            router.weight, getattr(router, "bias", None))
-        _, _, indices = router(flat)
-        w = _oracle_dense_weights(family, logits, indices, vanilla.config)
+        assert torch.equal(_first(hf_block(x)), outs[0]), "HF's block is the conventional one"
+        w, indices = _anchored_weights(view, seen["route"])
+        flat, hf_mix = seen["x"], seen["mix"].reshape(-1, hidden)
         inactive = torch.ones_like(w, dtype=torch.bool).scatter_(1, indices, False)
-        expert_out = torch.stack([_hf_expert_output(view.experts, flat, e) for e in range(view.num_experts)], 1)
-        terms = w[..., None] * inactive[..., None] * expert_out  # [N, E, H]
-        expected = outs[0].reshape(-1, hidden) + terms.sum(1)
+        expert_out = _expert_outputs(hf_block.experts, flat, view.num_experts)
+        expected = hf_mix + (w[..., None] * inactive[..., None] * expert_out).sum(1)
         eps = torch.finfo(torch.float32).eps
-        length = 2 * hidden + view.down_proj.shape[-1] + view.num_experts
-        tol = eps * length * (outs[0].reshape(-1, hidden).abs() + (w[..., None] * expert_out).abs().sum(1))
-    got = outs[1].reshape(-1, hidden)
-    assert (got - expected).abs().le(tol).all()
-    assert (got - outs[0].reshape(-1, hidden)).abs().max() > 1e3 * tol.max(), "the dense value must differ"
+        tol = eps * _length(view, 0) * (hf_mix.abs() + (w[..., None] * expert_out).abs().sum(1))
+        got = mixtures[1].detach().reshape(-1, hidden)
+        assert (got - expected).abs().le(tol).all()
+        assert (got - hf_mix).abs().max() > 1e3 * tol.max(), "the dense mixture must differ"
+        hf_block.experts.register_forward_hook(lambda m, a, o: got.reshape(o.shape))
+        assert torch.equal(_first(hf_block(x)), outs[1]), "the block wraps the dense mixture as HF's does"
     block.eval(), p_conv.layers[0].eval()
     with torch.no_grad():
-        evaluated = [layer(x) for layer in (p_conv.layers[0], block)]
-    evaluated = [e[0] if isinstance(e, tuple) else e for e in evaluated]
+        evaluated = [_first(layer(x)) for layer in (p_conv.layers[0], block)]
     assert torch.equal(evaluated[0], evaluated[1])
 
 
