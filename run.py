@@ -104,6 +104,8 @@ HOW_IT_RESUMES = {
                 "already in its points.csv / prune.csv",
     "evaluate": "run the same command again with hydra.run.dir=<run dir>: the sets continue from the predictions "
                 "already written",
+    "condense": "run the same command again with hydra.run.dir=<run dir>: the search takes the steps already in "
+                "its search_progress.csv",
     "condenser_two_phase": "task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/"
                            "checkpoints/last.ckpt",
 }

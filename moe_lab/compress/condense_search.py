@@ -490,7 +490,11 @@ def active_params(model: nn.Module) -> int:
     """Parameters one token uses: all parameters minus, in every still-routed MoE layer, the E - k experts it
     does not select (condensed layers: every retained expert is active; trimmed ones have none)."""
     total = sum(p.numel() for p in model.parameters())
-    for view in moe_views(model).values():
+    try:
+        routed = moe_views(model).values()
+    except ValueError:  # every MoE layer condensed or trimmed: no routed layer is left
+        routed = []
+    for view in routed:
         per_expert = view.gate_up_proj[0].numel() + view.down_proj[0].numel()
         total -= (view.num_experts - view.top_k) * per_expert
     return total

@@ -17,6 +17,7 @@ from moe_lab.compress.condense_search import (
     trim,
 )
 from tests.compress.test_condense_counts import build, condensed
+from moe_lab.moe import find_moe_layers
 from tests.conftest import build_tiny, random_batch
 
 
@@ -106,3 +107,11 @@ def test_active_parameters_deepseekmoe_16b_table1():
     assert lt == original - 8 * (6 * expert + router + shared) + 19 * gate
     assert bt == lt - 8 * (4 * h * h + 2 * h)
     assert [round(v / 1e9, 2) for v in (original, s, sr, lt, bt)] == [2.83, 2.41, 2.83, 2.27, 2.14]
+
+
+def test_active_parameters_when_every_moe_layer_is_condensed():
+    """Every MoE layer condensed (no routed layer left): every retained parameter is active."""
+    model = build_tiny("olmoe")
+    layers = [v.index for v in find_moe_layers(model)]
+    whole = condensed(model, layers, 1)
+    assert active_params(whole) == sum(p.numel() for p in whole.parameters())
