@@ -16,8 +16,8 @@ from moe_lab.compress.condense_search import (
     alpha_hill_eigenvalues,
     trim,
 )
-from tests.compress.test_condense_counts import build, condensed
 from moe_lab.moe import find_moe_layers
+from tests.compress.test_condense_counts import build, condensed
 from tests.conftest import build_tiny, random_batch
 
 
