@@ -73,12 +73,14 @@ def hf_score_function(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> st
 
 
 def _hf_expert_outputs(block64, x: torch.Tensor) -> torch.Tensor:
-    """f_e(x) [E, H] float64 for one token ``x`` [H]: HF's own experts module (its eager code) of a float64 copy
-    of the block, the token sent to each expert e alone with weight 1."""
+    """f_e(x_t) [T, E, H] float64 for tokens ``x`` [T, H]: HF's own experts module (its eager code) of a float64
+    copy of the block, each token sent to each expert e alone with weight 1 (one row per (token, expert) pair)."""
+    T, H = x.shape
     E = block64.experts.gate_up_proj.shape[0]
-    ones = torch.ones(E, 1, dtype=torch.float64)
+    ones = torch.ones(T * E, 1, dtype=torch.float64)
     with torch.no_grad():
-        return block64.experts(x.double().expand(E, -1), torch.arange(E)[:, None], ones)
+        out = block64.experts(x.double().repeat_interleave(E, dim=0), torch.arange(E).repeat(T)[:, None], ones)
+    return out.reshape(T, E, H)
 
 
 def _handwritten_applies(spec, config) -> bool:
@@ -120,6 +122,7 @@ def naive_stats(model, batches):
             probs = z.double().sigmoid() if score == "sigmoid" else z.double().softmax(-1)
             block64 = copy.deepcopy(hf["block"]).double()
             block64.experts.config._experts_implementation = "eager"  # the copy's own config (deepcopy)
+            outputs = _hf_expert_outputs(block64, x)
             E = z.shape[1]
             st = out.setdefault(layer, {k: torch.zeros(E, dtype=torch.float64) for k in (
                 "count", "p_sum", "p_sel", "w_sel", "sq_norm", "wnorm_sel", "norm_sel", "norm_all",
@@ -133,7 +136,7 @@ def naive_stats(model, batches):
                 if not mask[t]:
                     continue
                 p = probs[t]
-                f = _hf_expert_outputs(block64, x[t])
+                f = outputs[t]
                 if _handwritten_applies(spec, config):
                     hand = torch.stack([_expert_out(hf["block"], config, e, x[t]).double() for e in range(E)])
                     torch.testing.assert_close(hand, f, rtol=tol, atol=tol * float(f.abs().max()))
