@@ -62,7 +62,10 @@ def hf_score_function(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> st
     """The per-expert score HF's router weighs its chosen experts by, read from HF's own outputs: ``"sigmoid"``
     when, token by token, HF's top-k weights are proportional to sigmoid(z) on the chosen experts (an elementwise
     sigmoid router, whatever its renormalisation, routed scaling or selection-only bias), else ``"softmax"``
-    (softmax top-k, softmax over the top-k, sparsemixer). Sigmoid is accepted only where softmax does not fit."""
+    (softmax top-k, softmax over the top-k, sparsemixer): the paper's p, a softmax over all E logits. Sigmoid is
+    accepted only where softmax does not fit. A fit holds to ~1e-7 (fp32 weights), a misfit is off by > 0.3 on the
+    tiny models: 1e-4 separates them. p of a sigmoid router = its sigmoid affinities (spec 2.2; moe-lab's manifest
+    p_definition "sigmoid_scores"): no selection-only bias, renormalisation or routed scaling."""
     def proportional(score):
         r = w.double() / score.gather(1, idx)
         return bool(((r.max(1).values - r.min(1).values) <= 1e-4 * r.abs().max(1).values).all())
