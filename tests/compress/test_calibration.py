@@ -16,29 +16,84 @@ from tests.conftest import build_tiny, random_batch, word_text
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _hf_moe_inputs(model, batch):
-    """Vanilla HF forward; per MoE block: the flattened block input and HF's own (indices, weights), taken by a
-    pre-hook on the block's packed-experts module (every v5 family calls experts(x, indices, weights))."""
+def _at(root, path: str):
+    """The attribute at the dotted ``path`` below ``root`` (None where a part is absent)."""
+    for part in path.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
+def _moe_blocks(model) -> dict:
+    """{decoder layer: HF sparse-MoE block} (the registry's block class, the only family fact used here)."""
     block_class = family_spec(model.config.model_type).block_class
+    return {int(name.split("layers.")[1].split(".")[0]): module
+            for name, module in model.named_modules() if type(module).__name__ == block_class}
+
+
+def _hf_moe_inputs(model, batch):
+    """Vanilla HF forward; per MoE layer: the flattened block input ``x``, HF's router logits ``z`` (the first
+    output of the block's router module: every v5 router returns (logits, weights, indices), GPT-OSS's bias and
+    Laguna's soft-cap included) and HF's own ``idx`` / ``w``, taken by a pre-hook on the packed-experts module
+    (every v5 family calls experts(x, indices, weights))."""
+    router_attr = family_spec(model.config.model_type).router_attr
     seen, hooks = {}, []
-    for name, module in model.named_modules():
-        if type(module).__name__ == block_class:
-            layer = int(name.split("layers.")[1].split(".")[0])
+    for layer, block in _moe_blocks(model).items():
+        entry = seen[layer] = {"block": block}
 
-            def hook(mod, args, layer=layer, block=module):
-                seen[layer] = (args[0].detach().clone(), args[1].detach().clone(), args[2].detach().clone(), block)
+        def experts_hook(mod, args, entry=entry):
+            entry.update(x=args[0].detach().clone(), idx=args[1].detach().clone(), w=args[2].detach().clone())
 
-            hooks.append(module.experts.register_forward_pre_hook(hook))
+        def router_hook(mod, args, out, entry=entry):
+            entry["z"] = out[0].detach().reshape(-1, out[0].shape[-1]).clone()
+
+        hooks += [block.experts.register_forward_pre_hook(experts_hook),
+                  _at(block, router_attr).register_forward_hook(router_hook)]
     model.eval()  # the teacher in inference mode (no jitter, no Gumbel sampling)
     with torch.no_grad():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     for h in hooks:
         h.remove()
+    for entry in seen.values():
+        assert entry["z"].shape[0] == entry["x"].shape[0] == entry["idx"].shape[0]
     return seen
 
 
+def hf_score_function(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> str:
+    """The per-expert score HF's router weighs its chosen experts by, read from HF's own outputs: ``"sigmoid"``
+    when, token by token, HF's top-k weights are proportional to sigmoid(z) on the chosen experts (an elementwise
+    sigmoid router, whatever its renormalisation, routed scaling or selection-only bias), else ``"softmax"``
+    (softmax top-k, softmax over the top-k, sparsemixer): the paper's p, a softmax over all E logits. Sigmoid is
+    accepted only where softmax does not fit. A fit holds to ~1e-7 (fp32 weights), a misfit is off by > 0.3 on the
+    tiny models: 1e-4 separates them. p of a sigmoid router = its sigmoid affinities (spec 2.2; moe-lab's manifest
+    p_definition "sigmoid_scores"): no selection-only bias, renormalisation or routed scaling."""
+    def proportional(score):
+        r = w.double() / score.gather(1, idx)
+        return bool(((r.max(1).values - r.min(1).values) <= 1e-4 * r.abs().max(1).values).all())
+
+    sigmoid, softmax = proportional(z.double().sigmoid()), proportional(z.double().softmax(-1))
+    assert not (sigmoid and softmax), "HF's weights fit both a sigmoid and a softmax router: draw other weights"
+    return "sigmoid" if sigmoid else "softmax"
+
+
+def _hf_expert_outputs(block64, x: torch.Tensor) -> torch.Tensor:
+    """f_e(x_t) [T, E, H] float64 for tokens ``x`` [T, H]: HF's own experts module (its eager code) of a float64
+    copy of the block, each token sent to each expert e alone with weight 1 (one row per (token, expert) pair)."""
+    T, H = x.shape
+    E = block64.experts.gate_up_proj.shape[0]
+    ones = torch.ones(T * E, 1, dtype=torch.float64)
+    with torch.no_grad():
+        out = block64.experts(x.double().repeat_interleave(E, dim=0), torch.arange(E).repeat(T)[:, None], ones)
+    return out.reshape(T, E, H)
+
+
+def _handwritten_applies(spec, config) -> bool:
+    """The hand-written SwiGLU / GPT-OSS path below describes the family's experts (the registry says so)."""
+    return spec.expert_layout == "gpt_oss" or (
+        spec.expert_act == "act_fn" and getattr(config, "hidden_act", None) == "silu")
+
+
 def _expert_out(block, config, e, x):
-    """f_e(x) for one token x [H], written from the packed tensors with plain torch."""
+    """f_e(x) for one token x [H], written from the packed tensors with plain torch (a cross-check of HF's)."""
     ex = block.experts
     if hasattr(ex, "gate_up_proj_bias"):  # GPT-OSS: interleaved gate/up columns, clamped GLU, biases
         gu = x @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
@@ -47,21 +102,31 @@ def _expert_out(block, config, e, x):
         return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ ex.down_proj[e] + ex.down_proj_bias[e]
     I = ex.down_proj.shape[2]
     gu = ex.gate_up_proj[e] @ x
-    assert config.hidden_act == "silu"
     return ex.down_proj[e] @ (F.silu(gu[:I]) * gu[I:])
 
 
 def naive_stats(model, batches):
-    """Every section-1 statistic by an explicit loop over real tokens and experts, fp64 sums."""
+    """Every section-1 statistic by an explicit loop over real tokens and experts, fp64 sums, from vanilla HF only:
+    f_e from HF's experts module in float64, p from HF's router logits and the score function HF weighs by
+    (softmax over all E logits; sigmoid routers: the sigmoid affinities, without the selection-only bias),
+    S(t) and w_e(t) as HF passes them to its experts. Returns (statistics per layer, the score function found)."""
     config = model.config
-    out = {}
+    spec = family_spec(config.model_type)
+    tol = _tol(model)
+    out, scores = {}, set()
     for batch in batches:
         B, S = batch["input_ids"].shape
         mask = batch["attention_mask"].reshape(-1).bool()
         rows = torch.arange(B).repeat_interleave(S)
-        for layer, (x, idx, w, block) in _hf_moe_inputs(model, batch).items():
-            router = getattr(block, "gate", None) or block.router
-            E = router.weight.shape[0]
+        for layer, hf in _hf_moe_inputs(model, batch).items():
+            x, z, idx, w = hf["x"], hf["z"], hf["idx"], hf["w"]
+            score = hf_score_function(z, idx, w)
+            scores.add(score)
+            probs = z.double().sigmoid() if score == "sigmoid" else z.double().softmax(-1)
+            block64 = copy.deepcopy(hf["block"]).double()
+            block64.experts.config._experts_implementation = "eager"  # the copy's own config (deepcopy)
+            outputs = _hf_expert_outputs(block64, x)
+            E = z.shape[1]
             st = out.setdefault(layer, {k: torch.zeros(E, dtype=torch.float64) for k in (
                 "count", "p_sum", "p_sel", "w_sel", "sq_norm", "wnorm_sel", "norm_sel", "norm_all",
                 "seq_act", "seq_mag", "seq_mag_ungated")})
@@ -73,11 +138,11 @@ def naive_stats(model, batches):
             for t in range(x.shape[0]):
                 if not mask[t]:
                     continue
-                z = x[t].double() @ router.weight.double().T
-                if getattr(router, "bias", None) is not None:
-                    z = z + router.bias.double()
-                p = torch.sigmoid(z) if config.model_type == "deepseek_v3" else torch.softmax(z, -1)
-                f = torch.stack([_expert_out(block, config, e, x[t]).double() for e in range(E)])
+                p = probs[t]
+                f = outputs[t]
+                if _handwritten_applies(spec, config):
+                    hand = torch.stack([_expert_out(hf["block"], config, e, x[t]).double() for e in range(E)])
+                    torch.testing.assert_close(hand, f, rtol=tol, atol=tol * float(f.abs().max()))
                 norms = f.norm(dim=1)
                 inv = 1.0 / float(lengths[rows[t]])
                 st["p_sum"] += p
@@ -95,7 +160,8 @@ def naive_stats(model, batches):
                     st["norm_sel"][e] += norms[e]
                     st["seq_act"][e] += inv
                     st["seq_mag"][e] += abs(we) * norms[e] * inv
-    return out
+    assert len(scores) == 1, scores
+    return out, scores.pop()
 
 
 def _tol(model):
@@ -122,18 +188,28 @@ def test_every_statistic_matches_naive_loop(family):
     model = build_tiny(family)
     batches = [random_batch(seed=1), random_batch(batch=2, seq=7, seed=2, pad_rows=((0, 2),))]
     cal = calibrate(model, batches, max_chunk_tokens=5)
-    _assert_matches(cal, naive_stats(model, batches), _tol(model))
+    ref, score = naive_stats(model, batches)
+    _assert_matches(cal, ref, _tol(model))
     m = cal.manifest
     assert m["tokens"] == sum(int(b["attention_mask"].sum()) for b in batches) == int(cal.layers[m["moe_layers"][0]]["n"])
     assert m["num_sequences"] == 5 and m["seq_len"] == 10 and m["complete"]
+    assert m["p_definition"] == {"sigmoid": "sigmoid_scores", "softmax": "softmax_all"}[score]
+    for name in ("scoring_func", "expert_selection_fn"):  # where the HF config names its score function
+        assert getattr(model.config, name, score) == score, name
     spec = family_spec(family)
+    weight_owner = f"{spec.router_attr}.{spec.router_weight_attr}".rpartition(".")[0]  # "gate", "gate.wg", ...
+    blocks = _moe_blocks(model)
     for layer, st in cal.layers.items():
-        router = getattr(model.model.layers[layer].mlp, spec.router_attr)
-        assert torch.equal(st["router_weight"], router.weight.float())
-        assert ("router_bias" in st) == (family == "gpt_oss")
-        assert ("e_score_correction_bias" in st) == (family == "deepseek_v3")
+        block = blocks[layer]
+        assert torch.equal(st["router_weight"], _at(block, f"{weight_owner}.weight").float())
+        bias = _at(block, f"{weight_owner}.bias")  # a router Linear's logit bias (GPT-OSS)
+        assert ("router_bias" in st) == (bias is not None)
+        assert bias is None or torch.equal(st["router_bias"], bias.float())
+        # the selection-only bias: the block's own (registry correction_bias_attr) or the router's
+        selection = _at(block, spec.correction_bias_attr or f"{spec.router_attr}.e_score_correction_bias")
+        assert ("e_score_correction_bias" in st) == (selection is not None)
+        assert selection is None or torch.equal(st["e_score_correction_bias"], selection.float().reshape(-1))
         assert st["gram"].dtype == torch.float64 and st["count"].dtype == torch.int64
-    assert m["p_definition"] == ("sigmoid_scores" if family == "deepseek_v3" else "softmax_all")
 
 
 def test_chunked_split_and_padding_invariance():
