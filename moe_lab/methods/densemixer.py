@@ -145,7 +145,7 @@ class DenseMixerMixture:
             extra = torch.zeros_like(out)
 
             def visit(e, chunk, expert_out):
-                extra.index_add_(0, chunk, (dense[chunk, e, None] * expert_out).to(extra.dtype))
+                extra[chunk] += (dense[chunk, e, None] * expert_out).to(extra.dtype)  # a chunk's tokens are distinct
 
             _inactive_expert_outputs(view, x.detach(), inactive, self.chunk_tokens, visit)
         return out + extra
