@@ -30,7 +30,7 @@ def _added_families() -> list[str]:
 # every other registry family: the conformance suite (tests/moe) runs them in every run; the method x family
 # tests (the `family` fixture, test_training) only with MOE_LAB_ALL_FAMILIES=1 (marker `all_families`; suite time:
 # each family multiplies every parametrised test, ~12 min for the 40 added ones):
-#   MOE_LAB_ALL_FAMILIES=1 python -m pytest -m all_families
+#   MOE_LAB_ALL_FAMILIES=1 python -m pytest -n 2 -m all_families
 ADDED_FAMILIES = _added_families()
 ALL_FAMILIES = FAMILIES + ADDED_FAMILIES
 _ALL_FAMILIES_ONLY = [pytest.mark.slow, pytest.mark.all_families,

@@ -112,7 +112,9 @@ SUBSTITUTIONS = {
 NOT_RUNNABLE = {
     'pip install torch==2.13.0 && pip install -e ".[dev]"': "installs packages (network, changes the environment)",
     "python -m pytest -q -n 2": "the whole test suite, which holds this test",
-    'python -m pytest -q -m "not slow"': "the quick test suite, which holds this module",
+    "python -m pytest -q": "the whole test suite run serially, which holds this test",
+    'python -m pytest -q -n 2 -m "not slow"': "the quick test suite, which holds this module",
+    "python -m pytest -q tests/<file>.py": "a synopsis (one test file)",
     "python -m pytest -m slurm": "needs a SLURM cluster (scripts/slurm_local.sh start; tests/test_slurm.py)",
     "python run.py -m hydra/launcher=slurm method=sft,condenser model=olmoe hardware=gpu":
         "needs a SLURM cluster (tests/test_slurm.py submits to a local one)",
@@ -146,7 +148,7 @@ NOT_RUNNABLE = {
         "k' = 128 of Qwen3-30B-A3B's 128 experts: the tiny sibling has 8",
     "MOE_LAB_ALL_PRESETS=1 python -m pytest -m all_presets tests/test_presets_run.py":
         "an opt-in test set (tests/test_presets_run.py), not a run",
-    "MOE_LAB_ALL_FAMILIES=1 python -m pytest -m all_families": "an opt-in test set, not a run",
+    "MOE_LAB_ALL_FAMILIES=1 python -m pytest -n 2 -m all_families": "an opt-in test set, not a run",
     "python run.py -m ...": "a synopsis (`...`), not a command",
     "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
     "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":
