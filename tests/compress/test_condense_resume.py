@@ -5,7 +5,6 @@ ends with the uninterrupted run's summary and export. Oracle: the uninterrupted 
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pandas as pd
@@ -15,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from moe_lab.compress import condense_search
-from moe_lab.compress.point_log import PointLog
 from moe_lab.tasks import run_task
 from moe_lab.tasks.stop_signal import Interrupted
+from tests.compress.test_sweep_resume import _signal_after
 from tests.conftest import ROOT, word_text
 
 MODEL = ["model=tiny_olmoe", "model.config.num_hidden_layers=3"]  # 3 MoE layers, 2 condensed
@@ -48,19 +47,6 @@ def _run(out, common, *extra) -> dict:
     return run_task(cfg)
 
 
-def _signal_at(monkeypatch, n: int, signum: int) -> None:
-    """Deliver ``signum`` while the ``n``-th search step is being saved."""
-    real, count = PointLog.append, []
-
-    def append(self, row):
-        count.append(row)
-        if len(count) == n:
-            os.kill(os.getpid(), signum)
-        real(self, row)
-
-    monkeypatch.setattr(PointLog, "append", append)
-
-
 def _comparable(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in PER_RUN}
 
@@ -77,7 +63,7 @@ def test_signalled_condense_search_resumes_to_the_uninterrupted_result(setup, tm
     assert steps.stage.tolist() == ["experts"] * 3 + ["layers"] * 2 + ["single/js"] * 3
 
     run = tmp_path / "run"
-    _signal_at(monkeypatch, at, signum)
+    _signal_after(monkeypatch, at, signum)
     with pytest.raises(Interrupted) as stopped:
         _run(run, common)
     assert stopped.value.code == 128 + signum
