@@ -27,16 +27,12 @@ def _added_families() -> list[str]:
     return [f for f in supported_families() if f not in FAMILIES]
 
 
-# every other registry family: the conformance suite (tests/moe) runs them in every run; the method x family
-# tests (the `family` fixture, test_training) only with MOE_LAB_ALL_FAMILIES=1 (marker `all_families`; suite time:
-# each family multiplies every parametrised test, ~12 min for the 40 added ones):
-#   MOE_LAB_ALL_FAMILIES=1 python -m pytest -n 2 -m all_families
+# every other registry family: the conformance suite (tests/moe) and the method x family tests (the `family`
+# fixture: training, oracles, calibration, ...) run them in every run too; their cases are marked `slow`, so
+# `-m "not slow"` keeps the core eight
 ADDED_FAMILIES = _added_families()
 ALL_FAMILIES = FAMILIES + ADDED_FAMILIES
-_ALL_FAMILIES_ONLY = [pytest.mark.slow, pytest.mark.all_families,
-                      pytest.mark.skipif(not os.environ.get("MOE_LAB_ALL_FAMILIES"),
-                                         reason="MOE_LAB_ALL_FAMILIES=1 runs the method x family tests of every family")]
-FAMILY_PARAMS = [*FAMILIES, *(pytest.param(f, marks=_ALL_FAMILIES_ONLY) for f in ADDED_FAMILIES)]
+FAMILY_PARAMS = [*FAMILIES, *(pytest.param(f, marks=pytest.mark.slow) for f in ADDED_FAMILIES)]
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -148,7 +148,6 @@ NOT_RUNNABLE = {
         "k' = 128 of Qwen3-30B-A3B's 128 experts: the tiny sibling has 8",
     "MOE_LAB_ALL_PRESETS=1 python -m pytest -m all_presets tests/test_presets_run.py":
         "an opt-in test set (tests/test_presets_run.py), not a run",
-    "MOE_LAB_ALL_FAMILIES=1 python -m pytest -n 2 -m all_families": "an opt-in test set, not a run",
     "python run.py -m ...": "a synopsis (`...`), not a command",
     "python -m experiments.collect <paper> <evaluate run or sweep dirs>": "a synopsis, not a command",
     "python run.py -m task=compress ... compress.score=sf,acp,do_acp compress.K=8,16":

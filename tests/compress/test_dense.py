@@ -17,7 +17,6 @@ from moe_lab.moe.registry import FAMILIES
 from moe_lab.moe.routing import router_logits, select_topk
 from moe_lab.moe.view import find_moe_layers
 from tests.conftest import (
-    _ALL_FAMILIES_ONLY,
     ADDED_FAMILIES,
     assert_same_weights,
     build_tiny,
@@ -33,10 +32,9 @@ DENSE_FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3
                   "glm4_moe", "lfm2_moe", "laguna", "jamba", "minimax_m2", "minimax_m3_vl_text", "axk1", "cohere2_moe",
                   "hunyuan_v1_moe"]
 _OTHERS = [f for f in ADDED_FAMILIES if FAMILIES[f].dense_target is not None and f not in DENSE_FAMILIES]
-# the conversion's mechanism tests: every other family with a dense target only with MOE_LAB_ALL_FAMILIES=1 (as the
-# method x family tests; suite time); the vanilla-reload test: every family with a dense target in every run
-DENSE_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=_ALL_FAMILIES_ONLY) for f in _OTHERS]
-RELOAD_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=pytest.mark.slow) for f in _OTHERS]
+# every family with a dense target, in every run (the other added families' cases marked `slow`, as the method x
+# family tests)
+DENSE_PARAMS = RELOAD_PARAMS = DENSE_FAMILIES + [pytest.param(f, marks=pytest.mark.slow) for f in _OTHERS]
 # fp32 tolerance for sums of ~k*I products of O(1) terms computed in a different order
 ATOL = 64 * torch.finfo(torch.float32).eps
 
