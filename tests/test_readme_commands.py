@@ -112,7 +112,6 @@ SUBSTITUTIONS = {
 NOT_RUNNABLE = {
     'pip install torch==2.13.0 && pip install -e ".[dev]"': "installs packages (network, changes the environment)",
     "python -m pytest -q -n 2": "the whole test suite, which holds this test",
-    "python -m pytest -q": "the whole test suite run serially, which holds this test",
     'python -m pytest -q -n 2 -m "not slow"': "the quick test suite, which holds this module",
     "python -m pytest -q tests/<file>.py": "a synopsis (one test file)",
     "python -m pytest -m slurm": "needs a SLURM cluster (scripts/slurm_local.sh start; tests/test_slurm.py)",
