@@ -127,10 +127,29 @@ def h100(monkeypatch):
     monkeypatch.setattr(memory_fit, "_cuda_memory_gb", lambda: (80.0, "mock 80 GB GPU"))
 
 
-def test_run_that_does_not_fit_is_refused_before_loading(h100, monkeypatch):
-    import moe_lab.models
+def _forbid_loading(monkeypatch):
+    """``load_model`` fails the test wherever it is called from: every task module is imported first and its own
+    name patched too (a module first imported while ``moe_lab.models.load_model`` is patched would otherwise keep
+    the patch after the test, and fail the later tests of the same process)."""
+    import importlib
+    import pkgutil
 
-    monkeypatch.setattr(moe_lab.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    import moe_lab.models
+    import moe_lab.tasks
+
+    def fail(*args, **kwargs):
+        pytest.fail("weights loaded")
+
+    modules = [importlib.import_module(f"moe_lab.tasks.{info.name}")
+               for info in pkgutil.iter_modules(moe_lab.tasks.__path__)]  # imported before anything is patched
+    monkeypatch.setattr(moe_lab.models, "load_model", fail)
+    for module in modules:
+        if hasattr(module, "load_model"):
+            monkeypatch.setattr(module, "load_model", fail)
+
+
+def test_run_that_does_not_fit_is_refused_before_loading(h100, monkeypatch):
+    _forbid_loading(monkeypatch)
     cfg = _gpu_run("hardware=gpu")  # one GPU holding all of OLMoE-7B's training state
     est = memory_fit.memory_estimate(cfg, 1, 8)
     assert est["gpu_gb"] > 80 and est["hardware"] == "gpu"
@@ -179,10 +198,9 @@ def _plan(preset, tmp_path, *extra, n=64):
 
 
 def test_plan_loads_nothing_and_trains_nothing(tmp_path, monkeypatch, capsys):
-    import moe_lab.models
     import moe_lab.tasks
 
-    monkeypatch.setattr(moe_lab.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    _forbid_loading(monkeypatch)
     monkeypatch.setattr(moe_lab.tasks, "run_task", lambda *a, **k: pytest.fail("task run"))
     monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: pytest.fail("trained"))
     summary = _plan("condenser/math_olmoe", tmp_path, "method=condenser")

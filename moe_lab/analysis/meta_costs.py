@@ -206,12 +206,12 @@ def measure(model: nn.Module, batch: int, seq_len: int, train_non_experts: bool 
     layers = decoder_layers(model)
     counter = _Counter()
     saved: dict[str, int] = {}
-    seen: set[int] = set()
+    seen: dict[int, torch.Tensor] = {}  # holds the counted (meta) tensors: a freed one's id could be reused
 
     def pack(t):
         base = t._base if t._base is not None else t
         if id(base) not in seen:
-            seen.add(id(base))
+            seen[id(base)] = base
             where = counter.where["layer"]
             saved[where] = saved.get(where, 0) + base.numel() * base.element_size()
         return t
