@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..atomic import atomic_write_json
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
@@ -316,12 +317,7 @@ def condenser_state(patch: MoEPatch) -> dict:
 
 def save_condenser_state(patch: MoEPatch, path: str | Path) -> Path:
     """Write :func:`condenser_state` as JSON (the ``bias_file`` format), atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(condenser_state(patch), indent=1))
-    tmp.replace(path)
-    return path
+    return atomic_write_json(path, condenser_state(patch), indent=1)
 
 
 def read_bias_file(bias_file: str | Path, patch: MoEPatch) -> dict:
