@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks a session runs when it is lent a CUDA machine (see README "GPU checks"): the `gpu`-marked
-# tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP), the bf16 MFU benchmark, and the methods under
+# tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP, every family under a real ZeRO-3 engine), the bf16
+# MFU benchmark, and the methods under
 # DeepSpeed on a tiny model. Wheels of missing packages may be carried in .whl/ (installed into /tmp/site).
 # Output goes to $OUT (or ./gpu_checks_out) as log files.
 set -uo pipefail
@@ -18,10 +19,13 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
     echo "=== $name rc=$rc wall=$((SECONDS - t0))s"; tail -n "${TAIL:-15}" "$OUT/$name.log"
 }
-TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2
-TAIL=25 step gpu_tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_strategies.py tests/callbacks/test_training_callbacks.py
+TAIL=25 step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA --durations=5 \
+    tests/test_strategies.py tests/callbacks/test_training_callbacks.py
+TAIL=12 step z3_families "${Z3_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_z3_families.py
+TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2 \
+    ${MFU_METHODS:+--methods $MFU_METHODS}
 for extra in "${@}"; do  # further run.py invocations given as arguments, e.g. "hardware=deepspeed_zero3 method=condenser"
     # shellcheck disable=SC2086
-    step "run_$(echo "$extra" | tr -c 'a-z0-9' '_' | cut -c1-60)" 120 python3 run.py debug=fast logger=none hardware.trainer.devices=1 \
+    step "run_$(echo "$extra" | tr -c 'a-z0-9' '_' | cut -c1-60)" "${RUN_LIMIT:-120}" python3 run.py debug=fast logger=none hardware.trainer.devices=1 \
         task.trainer.max_steps=4 hydra.run.dir="/tmp/runs/$RANDOM" $extra
 done
