@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize, stateless
 
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
-from .view import MoELayerView
+from .view import MoELayerView, router_weight_of
 
 _ROUTER_CLASSES: dict[type, type] = {}
 
@@ -59,7 +59,7 @@ class ConventionalRouting:
 
     def logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(router, "bias", None)
-        weight = router.get_parameter(self.view.spec.router_weight_attr)
+        weight = router_weight_of(router, self.view.spec.router_weight_attr)
         return router_logits(self.rule, x, weight, bias if isinstance(bias, torch.Tensor) else None)
 
     def __call__(self, router: nn.Module, x: torch.Tensor):

@@ -17,6 +17,14 @@ from .routing import RoutingRule
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def router_weight_of(router: nn.Module, attr: str) -> torch.Tensor:
+    """The tensor at the dotted ``attr`` under ``router`` (``weight``, ``wg.weight``). Plain attribute access, not
+    ``get_parameter``: under FSDP with ``use_orig_params`` the forward sees views that are not ``nn.Parameter``."""
+    for name in attr.split("."):
+        router = getattr(router, name)
+    return router
+
+
 @dataclass
 class MoELayerView:
     """One MoE layer seen uniformly. ``block`` is the HF block (the moe-lab block shares its children)."""
@@ -53,7 +61,7 @@ class MoELayerView:
     @property
     def router_weight(self) -> torch.Tensor:
         """The router's [E, H] weight (registry ``router_weight_attr``: the router's own, or a wrapped Linear's)."""
-        return self.router.get_parameter(self.spec.router_weight_attr)
+        return router_weight_of(self.router, self.spec.router_weight_attr)
 
     @property
     def router_bias(self) -> torch.Tensor | None:

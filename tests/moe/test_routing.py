@@ -158,3 +158,24 @@ def test_parameter_groups_partition_the_model():
     assert any("shared_expert_gate" in n for n, _ in groups["shared_experts"])
     assert any("embed_tokens" in n for n, _ in groups["embeddings"])
     assert any("self_attn" in n for n, _ in groups["attention"])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "hunyuan_v1_moe", "afmoe"])  # router weight "weight", "wg.weight", "gate.weight"
+def test_routing_reads_a_router_weight_that_is_not_a_parameter(family):
+    """FSDP with ``use_orig_params`` replaces each parameter, during forward, with a plain-tensor view of its flat
+    parameter. The installed routing must read that tensor (``get_parameter`` refused it on the H100 run:
+    "`weight` is not an nn.Parameter"). Oracle: the same model's logits before the replacement."""
+    model = build_tiny(family).eval()
+    patch = moe_lab.apply(model, "sft")
+    batch = {"input_ids": torch.arange(3, 15).view(2, 6)}
+    with torch.no_grad():
+        want = model(**batch).logits
+        for view in patch.views:
+            owner_path, _, name = view.spec.router_weight_attr.rpartition(".")
+            owner = view.router.get_submodule(owner_path) if owner_path else view.router
+            tensor = getattr(owner, name).detach().clone()
+            delattr(owner, name)
+            setattr(owner, name, tensor)  # as FSDP's _use_unsharded_views does: a Tensor attribute, no Parameter
+            assert not isinstance(getattr(owner, name), torch.nn.Parameter)
+        got = model(**batch).logits
+    assert torch.equal(got, want)
