@@ -104,6 +104,6 @@ def test_zero3_run_equals_the_unsharded_run(family, one_rank):
             with deepspeed.zero.GatheredParameters([p]):
                 want = names[name].detach()
                 torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{family} {name}: {m}")
+                                           msg=lambda m, name=name: f"{family} {name}: {m}")
     finally:
         engine.destroy()
