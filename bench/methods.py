@@ -29,6 +29,7 @@ import moe_lab
 from moe_lab.methods.base import sliced_weight_decay
 from moe_lab.methods.densemixer import dense_weights
 from moe_lab.methods.esft import slice_optimizer
+from moe_lab.moe import find_moe_layers
 from moe_lab.moe.aux_loss import native_aux_loss_coef
 from moe_lab.moe.experts import expert_forward
 
@@ -97,7 +98,9 @@ def esft_flop_ratio(cfg: dict, trained_fraction: list[float]) -> float:
 
 def build(method: str, base) -> torch.nn.Module:
     model = copy.deepcopy(base).train()
-    layers = [v.index for v in moe_lab.apply(copy.deepcopy(base), "sft").views]
+    # the MoE layer indices read off the base model: a patched deep copy would be a second model (7 GiB at OLMoE
+    # widths) alive until the garbage collector breaks its view <-> block cycle, inside bench/mfu.py's peak window
+    layers = [v.index for v in find_moe_layers(base)]
     if method == "densemixer_naive":
         patch = moe_lab.apply(model, "sft")
         for block in patch.layers:

@@ -50,6 +50,8 @@ def peak_tflops() -> float:
 
 def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[float, float]:
     """(median step seconds, peak GiB allocated) of ``steps`` AdamW steps after ``warmup``."""
+    gc.collect()  # nothing of the previous method may count in this one's peak
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     vanilla = method.startswith("hf")
     model = copy.deepcopy(base).to(torch.bfloat16) if method == "hf_bf16_weights" else base if vanilla \
