@@ -1,7 +1,7 @@
 """Condenser paper Table 4, measured: post-training seconds per 10 iterations under DeepSpeed offload.
 
-NOT YET RUN ON A GPU: no timing from this script has been recorded; the README says so until one is. It has been
-run only on CPU with a tiny model (tests/analysis/test_offload_bench.py), which checks the flow, not the times.
+NOT YET RUN ON A GPU: no timing from this script has been recorded; docs/results.md (Benchmarks) says so until one
+is. It has been run only on CPU with a tiny model (tests/analysis/test_offload_bench.py), which checks the flow, not the times.
 
 Protocol (paper section 5.3 and Table 4): DenseMixer, SFT and ExpertCondenser each post-train DeepSeek-V2-Lite
 with a global batch of 32 under DeepSpeed offload. Each run does 50 warm-up iterations, then 300 timed ones. The

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks a session runs when it is lent a CUDA machine (see README "GPU checks"): the `gpu`-marked
-# tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP, every family under a real ZeRO-3 engine), the bf16
-# MFU benchmark, and the methods under
+# The GPU checks a session runs when it is lent a CUDA machine (docs/scale-out.md, "What was tested where"): the
+# `gpu`-marked tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP), every family under a real ZeRO-3 engine
+# (tests/test_z3_families.py), the bf16 MFU benchmark, and the methods under
 # DeepSpeed on a tiny model. Wheels of missing packages may be carried in .whl/ (installed into /tmp/site).
 # Output goes to $OUT (or ./gpu_checks_out) as log files.
 set -uo pipefail

@@ -1,5 +1,5 @@
-"""Every MoE model type of the installed transformers is supported, refused or not looked at; the README matrix is
-the code's."""
+"""Every MoE model type of the installed transformers is supported, refused or not looked at; the support matrix page
+(docs/families.md) is the code's."""
 
 from __future__ import annotations
 
@@ -29,9 +29,24 @@ def test_refused_and_not_looked_at_are_current_and_disjoint():
     assert all(reason.strip() for reason in (*families.REFUSED.values(), *families.NOT_LOOKED_AT.values()))
 
 
-def test_readme_matrix_is_current():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert families.readme_with_matrix(text) == text, "run: python -m moe_lab.families --write-readme"
+def test_docs_matrix_is_current():
+    text = families.MATRIX_PAGE.read_text(encoding="utf-8")
+    assert families.with_matrix(text) == text, "run: python -m moe_lab.families --write-docs"
+    assert "docs/families.md" in (ROOT / "README.md").read_text(encoding="utf-8"), "the README links the matrix"
+
+
+def test_write_docs_replaces_only_the_matrix_block(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "families.md"
+    page.write_text(f"intro\n{families.MATRIX_BEGIN}\nstale\n{families.MATRIX_END}\noutro\n", encoding="utf-8")
+    monkeypatch.setattr(families, "MATRIX_PAGE", page)
+    assert families.main(["--write-docs"]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert text == f"intro\n{families.MATRIX_BEGIN}\n{families.markdown()}\n{families.MATRIX_END}\noutro\n"
+    assert families.main(["--write-readme"]) == 0 and page.read_text(encoding="utf-8") == text
+    assert "--write-readme is now --write-docs" in capsys.readouterr().out
+    page.write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="families.md lacks the markers"):
+        families.with_matrix(page.read_text(encoding="utf-8"))
 
 
 def test_matrix_cells_come_from_the_method_checks():

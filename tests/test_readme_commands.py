@@ -1,9 +1,10 @@
-"""Every command README.md and experiments/*/README.md show either runs here or is listed with the reason it cannot.
+"""Every command README.md, the documentation pages (docs/*.md, in the site's nav order) and experiments/*/README.md
+show either runs here or is listed with the reason it cannot.
 
 Commands are taken from ```bash / ```sh / ```shell / ```console blocks, indented code blocks and inline code
 spans that start with ``python`` (optionally after ``VAR=value`` assignments); a backslash continues a line and a
 trailing ``# comment`` is dropped. Each is either in NOT_RUNNABLE (command -> reason: a GPU, the hub, a cluster,
-an elided synopsis, a benchmark) or run on the CPU, in README order, by one Python process (``python -m
+an elided synopsis, a benchmark) or run on the CPU, in document order, by one Python process (``python -m
 tests.test_readme_commands <plan>``) that runs ``run.py`` / ``python -m <module>`` in-process (imports paid once)
 in a scratch directory, after the substitutions of SUBSTITUTIONS. Each run must exit 0.
 """
@@ -24,7 +25,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("*/README.md"))]
+
+
+def _site_pages() -> list[Path]:
+    """docs/*.md in the order of mkdocs.yml's nav (generated pages such as the API reference have no commands)."""
+    import yaml
+
+    def walk(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, dict):
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from walk(value)
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    pages = [ROOT / "docs" / page for page in walk(nav) if page.endswith(".md")]
+    return pages + sorted(set((ROOT / "docs").glob("*.md")) - set(pages))  # a page missing from the nav still counts
+
+
+DOCS = [ROOT / "README.md", *_site_pages(), *sorted((ROOT / "experiments").glob("*/README.md"))]
 SHELL_BLOCKS = ("bash", "sh", "shell", "console")
 COMMAND = re.compile(r"^(?:[A-Z_]+=\S+\s+)*python\s")
 
@@ -217,7 +238,7 @@ def commands_in(text: str) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-    """Every command of the READMEs, first appearance first, without repeats."""
+    """Every command of the READMEs and the documentation pages, first appearance first, without repeats."""
     return list(dict.fromkeys(c for doc in DOCS for c in commands_in(doc.read_text())))
 
 
