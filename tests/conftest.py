@@ -89,9 +89,14 @@ def method_families(method: str) -> tuple[list[str], dict[str, str]]:
 
 def hf_route(view, router, x):
     """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
-    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]."""
+    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]; Llama 4's
+    returns (scores [N, E], logits), its top-k the nonzero scores."""
     own = view.spec.correction_bias_attr
     extra = (getattr(view.block, own),) if own and "." not in own else ()
+    if view.spec.router_logits_index == 1:  # Llama 4: (scores [N, E], 0 off the top-k; logits)
+        scores, logits = router(x, *extra)
+        weights, indices = scores.topk(router.top_k, dim=-1)
+        return logits, weights, indices
     try:
         return router(x, *extra)
     except ValueError:  # AFMoE
