@@ -126,7 +126,9 @@ def matrix_row(model_type: str) -> dict[str, str]:
     target = spec.dense_target
     dense = (f"to_dense -> {target.config_class or model_type} ({target.form})" if target is not None
              else f"to_dense: {undefined_reason('to_dense', spec, rule)}")
-    row["calibrate/to_dense/prune"] = f"calibrate, prune; {dense}"
+    gated = "; ".join(f"{score}: no: {reason}" for score in ("reap", "es_mag")
+                      if (reason := undefined_reason(score, spec, rule)) is not None)
+    row["calibrate/to_dense/prune"] = f"calibrate, prune{f' ({gated})' if gated else ''}; {dense}"
     return row
 
 

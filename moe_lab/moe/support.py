@@ -64,6 +64,11 @@ UNDEFINED: dict[str, Callable[[FamilySpec, RoutingRule], str | None]] = {
         "the auxiliary vectors on their input (and a top-1 router has no auxiliary expert at all)"),
     "condenser": _sparsemixer("selection biases and forced experts are not defined for sparsemixer routing"),
     "condense": _gate_up_only,
+    # calibration scores read from the router-weighted output norm w_e ||f_e(x)|| (f_e unweighted)
+    "reap": _output_weighted("REAP scores an expert by its router-weighted output norm w_e norm(E_e(x)), the size of "
+                             "its contribution to sum_e w_e E_e(x); use another score (e.g. ean_mean, es_act)"),
+    "es_mag": _output_weighted("gated ES-Mag scores an expert by norm(w_e E_e(x)), its contribution to sum_e w_e E_e(x); "
+                               "use es_mag variant=ungated"),
     "to_dense": _dense_target,
 }
 
