@@ -13,6 +13,7 @@ import moe_lab
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.condense import build_condensed
 from moe_lab.compress.scores import scores
+from moe_lab.distill import widen_teacher
 from tests.conftest import build_tiny, random_batch
 
 
@@ -75,3 +76,17 @@ def test_output_gated_scores_refused_and_the_others_computed():
     for method, options in (("es_mag", {"variant": "ungated"}), ("ean_mean", {}), ("do_acp", {}), ("es_act", {})):
         for layer, score in scores(calibration, method, **options).items():
             assert score.shape == (8,) and bool(torch.isfinite(score).all()), (method, layer)
+
+
+def test_widened_teacher_equals_hf_at_the_wider_top_k():
+    """KD's teacher routing widened to k' = 2 on the top-1 family: exactly HF's own block configured with top-2
+    (the family rule: each weight the sigmoid of its logit, on the expert input)."""
+    model = build_tiny("llama4_text").eval()
+    wide = build_tiny("llama4_text", num_experts_per_tok=2).eval()
+    batch = random_batch()
+    patch = widen_teacher(model, 2)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, wide(**batch).logits)
+    patch.remove()
+    with torch.no_grad():
+        assert not torch.equal(model(**batch).logits, wide(**batch).logits)
