@@ -45,7 +45,7 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
     # Llama 4's input-scaled routing beyond its checkpoints' top-1: two weight-scaled expert inputs summed per token
     ("llama4_text", {"num_experts_per_tok": 2}, torch.float32),
-    ("llama4_text", {"num_experts_per_tok": 2}, torch.bfloat16),
+    pytest.param("llama4_text", {"num_experts_per_tok": 2}, torch.bfloat16, marks=pytest.mark.slow),
 ]
 
 
