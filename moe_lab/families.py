@@ -26,8 +26,6 @@ _COMPOSITE = "composite multimodal config: its text decoder is model_type {}"
 # model_type -> why moe-lab has no registry entry for it (what the uniform view cannot express yet)
 REFUSED: dict[str, str] = {
     "aria_text": "experts are packed [E, H, 2I] and applied as x @ W without biases: a third expert layout",
-    "llama4_text": "top-1 sigmoid router whose score scales the expert input (not its output); experts packed "
-                   "[E, H, 2I] for bmm over all experts",
     "dbrx": "experts are w1 / v1 / w2 [E*I, H] tensors in an mlp submodule (not packed gate_up_proj / "
             "down_proj); the router module returns logits only",
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
@@ -51,7 +49,10 @@ REFUSED: dict[str, str] = {
     "qwen3_5_moe": _COMPOSITE.format("qwen3_5_moe_text"),
     "qwen4_exp": _COMPOSITE.format("qwen4_exp_text"),
     "dots3_note": _COMPOSITE.format("dots3_note_text"),
-    "llama4": _COMPOSITE.format("llama4_text"),
+    "llama4": _COMPOSITE.format("llama4_text") + ", supported; moe-lab loads no composite, so that an export never "
+              "silently drops the vision tower: AutoModelForCausalLM.from_pretrained(<llama4 checkpoint>) builds the "
+              "text decoder alone (Llama4ForCausalLM, weights mapped), and its save_pretrained folder is a "
+              "llama4_text checkpoint for model.pretrained",
     "gemma4": _COMPOSITE.format("gemma4_text"),
 }
 # model_type -> note: MoE model types nobody has examined yet
@@ -127,7 +128,9 @@ def matrix_row(model_type: str) -> dict[str, str]:
     target = spec.dense_target
     dense = (f"to_dense -> {target.config_class or model_type} ({target.form})" if target is not None
              else f"to_dense: {undefined_reason('to_dense', spec, rule)}")
-    row["calibrate/to_dense/prune"] = f"calibrate, prune; {dense}"
+    gated = "; ".join(f"{score}: no: {reason}" for score in ("reap", "es_mag")
+                      if (reason := undefined_reason(score, spec, rule)) is not None)
+    row["calibrate/to_dense/prune"] = f"calibrate, prune{f' ({gated})' if gated else ''}; {dense}"
     return row
 
 

@@ -87,11 +87,25 @@ def method_families(method: str) -> tuple[list[str], dict[str, str]]:
     return defined, refused
 
 
+def hf_router_output(spec, router, out):
+    """``(logits, weights, indices)`` from a vanilla HF router's output ``out``: as returned, or, where the router
+    returns ``(scores [N, E] (0 off the top-k), logits)`` (registry ``router_logits_index`` 1: Llama 4), the logits
+    and the top-k of the scores."""
+    if spec.router_logits_index != 1:
+        return out
+    scores, logits = out
+    weights, indices = scores.topk(router.top_k, dim=-1)
+    return logits, weights, indices
+
+
 def hf_route(view, router, x):
     """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
-    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]."""
+    a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]; Llama 4's
+    returns (scores [N, E], logits), its top-k the nonzero scores."""
     own = view.spec.correction_bias_attr
     extra = (getattr(view.block, own),) if own and "." not in own else ()
+    if view.spec.router_logits_index:
+        return hf_router_output(view.spec, router, router(x, *extra))
     try:
         return router(x, *extra)
     except ValueError:  # AFMoE

@@ -63,3 +63,16 @@ def test_matrix_cells_come_from_the_method_checks():
 def test_undefined_method_is_refused_by_name(method, match):
     with pytest.raises(ValueError, match=match):
         moe_lab.apply(build_tiny("phimoe"), method)
+
+
+def test_llama4_text_supported_and_the_composite_refused_with_the_way_to_its_text_decoder():
+    states = families.family_states()
+    assert states["llama4_text"][0] == "supported"
+    state, reason = states["llama4"]
+    assert state == "refused" and "model_type llama4_text, supported" in reason and "AutoModelForCausalLM" in reason
+    row = next(line for line in families.markdown().splitlines() if line.startswith("| llama4_text |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert dict(zip(families.COLUMNS, (c.split(":")[0] for c in cells))) == {
+        "conformance": "bit-exact (fp32, bf16)", "sft": "yes", "frozen_router": "yes", "esft": "yes",
+        "densemixer": "no", "condenser": "yes", "compressed_experts": "no", "lora": "yes",
+        "calibrate/to_dense/prune": "calibrate, prune (reap", "condense": "no", "kd": "yes"}

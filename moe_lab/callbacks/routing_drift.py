@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from moe_lab.analysis.drift_stats import DRIFT_STATS, RoutingSnapshot, drift_means, drift_sums, snapshot
 from moe_lab.data.packing import is_packed, model_inputs, real_token_mask
+from moe_lab.moe.block import split_router_output
 from moe_lab.strategies import model_forward
 
 from ._dense import without_moe_layers
@@ -97,16 +98,16 @@ def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None
     per_layer: list[list[RoutingSnapshot]] = [[] for _ in patch.layers]
     mask_box: list[torch.Tensor | None] = [None]
 
-    def hook_for(position: int, rule):
+    def hook_for(position: int, rule, spec):
         def hook(module, args, output):
-            logits, weights, indices = output[:3]
+            logits, weights, indices = split_router_output(spec, output)
             per_layer[position].append(snapshot(rule, logits, weights, indices, mask_box[0]))
 
         return hook
 
     flags = [(m, m.training) for m in model.modules()]
     handles = [
-        getattr(layer, layer.spec.router_attr).register_forward_hook(hook_for(pos, view.rule))
+        getattr(layer, layer.spec.router_attr).register_forward_hook(hook_for(pos, view.rule, view.spec))
         for pos, (layer, view) in enumerate(zip(patch.layers, patch.views))
     ]
     device = next(model.parameters()).device

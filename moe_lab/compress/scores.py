@@ -123,11 +123,23 @@ def _random_scores(calibration: Calibration, seed: int) -> dict[int, torch.Tenso
     return out
 
 
+def _refuse_output_gated(calibration: Calibration, method: str, variant: str) -> None:
+    """Refuse by name a score read from router-weighted output norms (REAP, gated ES-Mag) where the calibrated
+    family's routing weight scales the expert input (``moe_lab.moe.support``)."""
+    from ..moe.registry import FAMILIES
+    from ..moe.support import refuse_undefined
+
+    spec = FAMILIES.get(calibration.manifest.get("model_type"))
+    if spec is not None and (method == "reap" or (method == "es_mag" and variant == "gated")):
+        refuse_undefined(method, spec, None)
+
+
 def scores(calibration: Calibration, method: str, *, seed: int = 0, variant: str = "gated"
            ) -> dict[int, torch.Tensor]:
     """Per-layer expert scores (float64 [E], >= 0) of ``method``; DO-CP / DO-ACP give their base importance
     (CP / ACP). ``seed``: random; ``variant``: es_mag ``gated`` (||w_e f_e||, default) or ``ungated``."""
     fn, needs = _method(method)
+    _refuse_output_gated(calibration, method, variant)
     if method == "random":
         return _random_scores(calibration, seed)
     if method == "es_mag":

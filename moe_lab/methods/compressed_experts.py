@@ -49,6 +49,7 @@ from transformers.integrations.moe import _grouped_linear
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import MoEPatch
+from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ def install_compressed_experts(
         raise ValueError(f"method.options.form={form!r} is not one of {FORMS}")
     if main_weights not in MAIN_WEIGHTS:
         raise ValueError(f"method.options.main_weights={main_weights!r} is not one of {MAIN_WEIGHTS}")
+    refuse_undefined("compressed_experts", patch.spec, patch.views[0].rule)
     top_k = patch.layers[0].top_k
     if top_k < 2:
         raise ValueError(f"compressed_experts needs top_k >= 2 (main + auxiliary experts); this model has "

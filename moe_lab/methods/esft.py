@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from transformers.integrations.moe import _grouped_linear
 
-from ..moe.block import MoEBlock
+from ..moe.block import MoEBlock, split_router_output
 from ..moe.patch import MoEPatch
 from .compressed_experts import packed_layout
 
@@ -172,7 +172,7 @@ def _field(batch: Mapping, name: str, n_batch: int) -> torch.Tensor:
 
 def _capture_routing(block: MoEBlock, captured: dict, slot: int):
     def hook(module, args, output):
-        _, weights, indices = output
+        _, weights, indices = split_router_output(block.spec, output)
         captured[slot] = (weights.detach(), indices.detach())
 
     return block.view.obj.router.register_forward_hook(hook)
@@ -290,7 +290,9 @@ def select_experts(patch: MoEPatch, experts: Mapping) -> dict[int, list[int]]:
     patch._esft_selected = bool(selection)
     for view, block in zip(patch.views, patch.layers):
         ids = selection.get(view.index, [])
-        if ids and len(ids) < view.num_experts:
+        # input-scaled experts (registry weight_on_input) run as HF's dense bmm over every expert: no frozen-pair
+        # saving there; the slice hooks alone keep the frozen experts' gradients zero
+        if ids and len(ids) < view.num_experts and not view.spec.weight_on_input:
             trained = torch.zeros(view.num_experts, dtype=torch.bool)
             trained[ids] = True
             block.mixer = FrozenExpertsMixture(trained)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, stateless
 
+from .experts import expert_mixture
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
 from .view import MoELayerView, router_weight_of
@@ -22,8 +23,20 @@ _ROUTER_CLASSES: dict[type, type] = {}
 
 
 def _moe_lab_router_forward(self, hidden_states):
-    """Router forward after installation: logits, then the installed routing policy."""
-    return self.moe_lab_policy(self, hidden_states)
+    """Router forward after installation: ``(logits, weights, indices)`` from the installed routing policy, the
+    logits moved to where the HF router returns them (registry ``router_logits_index``: HF records them there)."""
+    policy = self.moe_lab_policy
+    logits, weights, indices = policy(self, hidden_states)
+    out = [weights, indices]
+    out.insert(policy.view.spec.router_logits_index, logits)
+    return tuple(out)
+
+
+def split_router_output(spec, out: tuple) -> tuple:
+    """``(logits, weights, indices)`` from a routed router's output (the inverse of its forward's ordering)."""
+    rest = list(out)
+    logits = rest.pop(spec.router_logits_index)
+    return (logits, *rest)
 
 
 def _restore_router(hf_class: type, state: dict):
@@ -85,7 +98,7 @@ def autocast_expert_weights(experts: nn.Module, device_type: str) -> dict[str, t
 
 def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
     """Conventional mixture: the HF packed experts run on the selected (token, expert) pairs."""
-    return block.experts(x, indices, weights)
+    return expert_mixture(block.view.obj, x, weights, indices)
 
 
 class SliceGradMask:
@@ -180,7 +193,7 @@ class MoEBlock(nn.Module):
         # None: no shared experts (a family whose config may have none, e.g. moe_num_shared_experts=0)
         shared_module = getattr(self, spec.shared_attr, None) if spec.shared_attr else None
         shared = shared_module(x) if spec.shared_first and shared_module is not None else None
-        logits, weights, indices = getattr(self, spec.router_attr)(x)
+        logits, weights, indices = split_router_output(spec, getattr(self, spec.router_attr)(x))
         if self.view.obj.rule.weights_in_input_dtype:
             weights = weights.to(x.dtype)
         self._count(indices, batch, seq)
@@ -210,6 +223,8 @@ class MoEBlock(nn.Module):
         if spec.output_norm_attr:
             out = getattr(self, spec.output_norm_attr)(out)
         out = out.reshape(batch, seq, hidden)
+        if spec.returns_router_logits:
+            return out, logits
         return (out, weights) if spec.returns_router_scores else out
 
     def extra_repr(self) -> str:

@@ -96,12 +96,20 @@ class FamilySpec:
     block_class: str  # HF sparse-MoE block class; also the DeepSpeed ZeRO-3 leaf module
     router_attr: str  # attribute of the block holding the router ("gate" | "router")
     routing_rule: Callable[[object], RoutingRule]  # built from the HF config
-    expert_layout: str = "gate_up"  # "gate_up": [E, 2I, H] chunked; "gpt_oss": [E, H, 2I] interleaved + biases
+    # "gate_up": [E, 2I, H] chunked, F.linear; "gpt_oss": [E, H, 2I] interleaved + biases; "transposed": gate_up
+    # [E, H, 2I] (gate columns, then up columns) and down [E, I, H], applied as x @ W, no biases (Llama 4)
+    expert_layout: str = "gate_up"
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
     shared_after_router: bool = False  # HF runs the shared expert between the router and the routed experts (AFMoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
+    returns_router_logits: bool = False  # block returns (hidden, router_logits) (Llama 4)
+    router_logits_index: int = 0  # where the HF router's output tuple holds the logits (HF records them there)
+    # the routing weight scales each routed expert's INPUT, y = sum_e E_e(w_e x), not its output (Llama 4); HF's
+    # experts module then takes the E weight-scaled copies of the tokens [E*N, H] and runs every expert on its copy
+    # (a zero weight gives an exactly zero output: SwiGLU without biases)
+    weight_on_input: bool = False
     aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
     # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
     # sequence-wise loss, added by moe-lab) | "switch" (Switch loss added by moe-lab)
@@ -305,6 +313,12 @@ def _phimoe_rule(config) -> RoutingRule:
         jitter_eps=float(config.router_jitter_noise),
         weights_in_logits_dtype=False,
     )
+
+
+def _llama4_rule(config) -> RoutingRule:
+    """Top-k of the logits; weights = fp32 sigmoid of the [N, E] logits with -inf off the top-k, cast back."""
+    return RoutingRule(score="sigmoid", top_k=config.num_experts_per_tok, num_experts=_num_experts(config),
+                       select_on_logits=True, scatter_scores=True, scores_fp32=True)
 
 
 _CORE: dict[str, FamilySpec] = {
@@ -551,12 +565,25 @@ _ADDED_OWN += (
                "softcapped-SwiGLU experts summed in fp32; no shared expert; HF computes no aux loss (native 0); "
                "sliding / full attention with block attention residuals"),
 )
+_ADDED_OWN += (
+    FamilySpec("llama4_text", "Llama4TextMoe", "router", _llama4_rule, expert_layout="transposed",
+               shared_attr="shared_expert", weight_on_input=True, router_logits_index=1, returns_router_logits=True,
+               aux_loss="switch", aux_loss_field=None,
+               notes="top-k (Llama 4: top-1) of the logits, sigmoid weight scaling the expert INPUT (every expert runs "
+               "on its weight-scaled copy of the tokens), ungated shared expert; experts [E, H, 2I] applied as x @ W; "
+               "MoE every interleave_moe_layer_step layers (moe_layers), chunked-attention / no-RoPE layers; HF "
+               "computes no aux loss (native 0; an explicit coefficient adds the Switch loss)"),
+)
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)
 NO_DENSE_TARGET: dict[str, str] = {
     "phimoe": "no dense HF class has PhiMoE's backbone (LayerNorm with biases, optional attention and lm_head "
               "biases), and a routed PhiMoE student is not dense: its sparsemixer always routes 2 experts and, with a "
               "zeroed router, weighs them unequally (a masked softmax, then a softmax over the rest) and by Gumbel "
               "sampling in training",
+    "llama4_text": "the conversion's dense FFN is the output-weighted sum of representatives, sum_g a_g E_g(x) "
+                   "(specs/compression.md); Llama 4's block computes E_e(w_e x), the routing weight on the expert "
+                   "input, which no fixed scaling of a concatenated SwiGLU reproduces (the family's own all-dense "
+                   "class, moe_layers=[], would be the target)",
 }
 FAMILIES: dict[str, FamilySpec] = {**_CORE, **{spec.model_type: spec for spec in _ADDED_OWN}, **{spec.model_type: spec for spec in _ADDED}}
 

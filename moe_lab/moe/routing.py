@@ -38,6 +38,9 @@ class RoutingRule:
     logit_softcap: the logits become ``tanh(l / c) * c`` (Laguna's router soft-capping).
     select_on_logits: top-k reads the logits (+ correction bias); the weights are the sigmoid of the selected
     logits (Kolibri).
+    scatter_scores: with ``select_on_logits``, the score function runs on the [N, E] logits whose unselected entries
+    are set to -inf (score 0), and the weights are read at the top-k (Llama 4's router scores; CPU elementwise
+    kernels round by tensor size, so the [N, k] sigmoid of Kolibri would not be HF's bits).
     topk_softmax_fp32: the softmax over the top-k logits is taken in fp32 (Cohere2-MoE), else in the logits dtype.
     biased_group_fill: what groups dropped by group-limited selection get on a biased choice (AXK2: 0.0).
     logits_in_weight_dtype: the tokens are cast to the router weight's dtype before the matmul (MiniMax-M2,
@@ -70,6 +73,7 @@ class RoutingRule:
     select_on_logits: bool = False
     biased_group_fill: float = float("-inf")
     topk_softmax_fp32: bool = False
+    scatter_scores: bool = False
 
     @property
     def normalises_topk(self) -> bool:
@@ -102,6 +106,8 @@ class RoutingRule:
                 )
         if self.select_on_logits and self.score != "sigmoid":
             raise ValueError(f"select_on_logits needs an elementwise (sigmoid) score, got {self.score!r}")
+        if self.scatter_scores and not self.select_on_logits:
+            raise ValueError("scatter_scores reads the scores of the selected logits: it needs select_on_logits")
         if self.score == "sparsemixer" and self.top_k not in (1, 2):
             raise ValueError(f"sparsemixer routing (phimoe) is defined for top_k 1 or 2, got {self.top_k}: set "
                              "num_experts_per_tok to 1 or 2")
@@ -243,6 +249,9 @@ def select_topk(
     if append is not None and append.numel():
         indices = torch.cat([indices, append.to(indices.device).expand(indices.shape[0], -1)], dim=1)
         weights = scores.gather(1, indices)
+    elif rule.scatter_scores:  # the score of the [N, E] logits with -inf off the top-k, read at the top-k (Llama 4)
+        unselected = torch.full_like(logits, float("-inf")).scatter(1, indices, logits.gather(1, indices))
+        weights = scores_from_logits(rule, unselected).gather(1, indices)
     elif rule.select_on_logits:  # the score of the selected logits (as Kolibri: CPU sigmoid kernels round by size)
         weights = scores_from_logits(rule, logits.gather(1, indices))
     else:

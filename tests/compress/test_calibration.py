@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moe_lab.compress import Calibration, calibrate
 from moe_lab.moe.registry import family_spec
-from tests.conftest import build_tiny, random_batch, word_text
+from tests.conftest import build_tiny, hf_router_output, random_batch, word_text
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -34,8 +34,10 @@ def _hf_moe_inputs(model, batch):
     """Vanilla HF forward; per MoE layer: the flattened block input ``x``, HF's router logits ``z`` (the first
     output of the block's router module: every v5 router returns (logits, weights, indices), GPT-OSS's bias and
     Laguna's soft-cap included) and HF's own ``idx`` / ``w``, taken by a pre-hook on the packed-experts module
-    (every v5 family calls experts(x, indices, weights))."""
-    router_attr = family_spec(model.config.model_type).router_attr
+    (every v5 family calls experts(x, indices, weights)). Where the routing weight scales the expert input
+    (registry ``weight_on_input``: Llama 4, whose experts get the weight-scaled copies and whose router returns
+    (scores, logits)), ``x`` is the block input and ``idx`` / ``w`` the top-k of HF's router scores."""
+    spec = family_spec(model.config.model_type)
     seen, hooks = {}, []
     for layer, block in _moe_blocks(model).items():
         entry = seen[layer] = {"block": block}
@@ -43,11 +45,19 @@ def _hf_moe_inputs(model, batch):
         def experts_hook(mod, args, entry=entry):
             entry.update(x=args[0].detach().clone(), idx=args[1].detach().clone(), w=args[2].detach().clone())
 
-        def router_hook(mod, args, out, entry=entry):
-            entry["z"] = out[0].detach().reshape(-1, out[0].shape[-1]).clone()
+        def block_hook(mod, args, entry=entry):
+            entry["x"] = args[0].detach().reshape(-1, args[0].shape[-1]).clone()
 
-        hooks += [block.experts.register_forward_pre_hook(experts_hook),
-                  _at(block, router_attr).register_forward_hook(router_hook)]
+        def router_hook(mod, args, out, entry=entry):
+            z, w, idx = hf_router_output(spec, mod, out)
+            entry["z"] = z.detach().reshape(-1, z.shape[-1]).clone()
+            if spec.weight_on_input:
+                entry.update(idx=idx.detach().clone(), w=w.detach().clone())
+
+        router = _at(block, spec.router_attr)
+        hooks += [block.register_forward_pre_hook(block_hook) if spec.weight_on_input
+                  else block.experts.register_forward_pre_hook(experts_hook),
+                  router.register_forward_hook(router_hook)]
     model.eval()  # the teacher in inference mode (no jitter, no Gumbel sampling)
     with torch.no_grad():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -65,9 +75,11 @@ def hf_score_function(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> st
     (softmax top-k, softmax over the top-k, sparsemixer): the paper's p, a softmax over all E logits. Sigmoid is
     accepted only where softmax does not fit. A fit holds to ~1e-7 (fp32 weights), a misfit is off by > 0.3 on the
     tiny models: 1e-4 separates them. p of a sigmoid router = its sigmoid affinities (spec 2.2; moe-lab's manifest
-    p_definition "sigmoid_scores"): no selection-only bias, renormalisation or routed scaling."""
+    p_definition "sigmoid_scores"): no selection-only bias, renormalisation or routed scaling. A top-1 router's
+    one weight per token fits any score: there the ratio must be one constant over all tokens."""
     def proportional(score):
         r = w.double() / score.gather(1, idx)
+        r = r.reshape(1, -1) if idx.shape[1] == 1 else r
         return bool(((r.max(1).values - r.min(1).values) <= 1e-4 * r.abs().max(1).values).all())
 
     sigmoid, softmax = proportional(z.double().sigmoid()), proportional(z.double().softmax(-1))
@@ -75,13 +87,15 @@ def hf_score_function(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> st
     return "sigmoid" if sigmoid else "softmax"
 
 
-def _hf_expert_outputs(block64, x: torch.Tensor) -> torch.Tensor:
+def _hf_expert_outputs(block64, x: torch.Tensor, spec) -> torch.Tensor:
     """f_e(x_t) [T, E, H] float64 for tokens ``x`` [T, H]: HF's own experts module (its eager code) of a float64
     copy of the block, each token sent to each expert e alone with weight 1 (one row per (token, expert) pair)."""
     T, H = x.shape
     E = block64.experts.gate_up_proj.shape[0]
     ones = torch.ones(T * E, 1, dtype=torch.float64)
     with torch.no_grad():
+        if spec.weight_on_input:  # HF's dense bmm: every expert on its own copy of the tokens, weight 1
+            return block64.experts(x.double().repeat(E, 1)).reshape(E, T, H).transpose(0, 1)
         out = block64.experts(x.double().repeat_interleave(E, dim=0), torch.arange(E).repeat(T)[:, None], ones)
     return out.reshape(T, E, H)
 
@@ -100,6 +114,9 @@ def _expert_out(block, config, e, x):
         limit = config.swiglu_limit
         gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
         return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ ex.down_proj[e] + ex.down_proj_bias[e]
+    if family_spec(config.model_type).expert_layout == "transposed":  # [H, 2I] gate then up columns, [I, H] down
+        gate, up = (x @ ex.gate_up_proj[e]).chunk(2)
+        return (F.silu(gate) * up) @ ex.down_proj[e]
     I = ex.down_proj.shape[2]
     gu = ex.gate_up_proj[e] @ x
     return ex.down_proj[e] @ (F.silu(gu[:I]) * gu[I:])
@@ -124,8 +141,9 @@ def naive_stats(model, batches):
             scores.add(score)
             probs = z.double().sigmoid() if score == "sigmoid" else z.double().softmax(-1)
             block64 = copy.deepcopy(hf["block"]).double()
-            block64.experts.config._experts_implementation = "eager"  # the copy's own config (deepcopy)
-            outputs = _hf_expert_outputs(block64, x)
+            if hasattr(block64.experts, "config"):  # Llama 4's experts have no implementation switch (eager bmm)
+                block64.experts.config._experts_implementation = "eager"  # the copy's own config (deepcopy)
+            outputs = _hf_expert_outputs(block64, x, spec)
             E = z.shape[1]
             st = out.setdefault(layer, {k: torch.zeros(E, dtype=torch.float64) for k in (
                 "count", "p_sum", "p_sel", "w_sel", "sq_norm", "wnorm_sel", "norm_sel", "norm_all",

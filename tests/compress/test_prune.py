@@ -53,7 +53,7 @@ def _masked_router_logits(model, removed: dict[int, list[int]]):
         F.linear = original
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "llama4_text"])  # + the input-scaled routing weight
 def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_path):
     teacher, calibration = _teacher(family)
     pruned = prune_experts(teacher, calibration, keep=8, top_k=teacher.config.num_experts_per_tok)
@@ -66,9 +66,10 @@ def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_pa
     assert [v.num_experts for v in find_moe_layers(reloaded)] == [6] * len(find_moe_layers(teacher))
 
 
-# softmax-router families and GPT-OSS: slicing == masking the removed logits (DeepSeek-V3's sigmoid scores and
-# correction bias and PhiMoE's sparsemixer are not softmax over the logits)
-MASKABLE = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "gpt_oss", "mixtral"]
+# softmax-router families, GPT-OSS and Llama 4 (top-k of the logits, each weight the sigmoid of its own logit):
+# slicing == masking the removed logits (DeepSeek-V3's sigmoid scores and correction bias and PhiMoE's sparsemixer
+# are not softmax over the logits)
+MASKABLE = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "gpt_oss", "mixtral", "llama4_text"]
 
 
 @pytest.mark.parametrize("family", MASKABLE)

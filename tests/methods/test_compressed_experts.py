@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from moe_lab.methods.compressed_experts import (
 from moe_lab.moe.block import ConventionalRouting, sparse_mixture
 from moe_lab.moe.experts import expert_forward
 from moe_lab.moe.view import find_moe_layers
-from tests.conftest import ALL_FAMILIES, build_tiny, random_batch, tiny_model_cfg
+from tests.conftest import build_tiny, method_families, random_batch, tiny_model_cfg
 from tests.test_run import run_py
 
 RTOL, ATOL = 1e-4, 1e-5  # fp32; the auxiliary average of ones is 1 up to rounding
@@ -58,7 +59,10 @@ def _oracle_hook(view, k_main: int, renormalize_main: bool = False):
     return hook
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+DEFINED, REFUSED = method_families("compressed_experts")
+
+
+@pytest.mark.parametrize("family", DEFINED)
 def test_initial_output_equals_top_k_main_routing(family):
     """At initialisation (vectors = 1) the model equals top-k_main routing with the family's own top-k
     weights, not renormalised, on every supported family: olmoe (softmax), qwen3_moe (weights renormalised
@@ -294,6 +298,12 @@ def test_load_rejects_a_directory_without_vectors(tmp_path):
 def test_bad_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         moe_lab.apply(_tiny("olmoe"), "compressed_experts", **options)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_by_name_where_undefined(family):
+    with pytest.raises(ValueError, match=re.escape(f"compressed_experts is not defined for {family}: {REFUSED[family]}")):
+        moe_lab.apply(_tiny(family), "compressed_experts")
 
 
 def test_top_1_models_are_rejected():

@@ -43,6 +43,9 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
     # Cohere2-MoE's other selection function (sigmoid of the top-k logits) with summed shared experts
     ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
+    # Llama 4's input-scaled routing beyond its checkpoints' top-1: two weight-scaled expert inputs summed per token
+    ("llama4_text", {"num_experts_per_tok": 2}, torch.float32),
+    pytest.param("llama4_text", {"num_experts_per_tok": 2}, torch.bfloat16, marks=pytest.mark.slow),
 ]
 
 
