@@ -63,7 +63,7 @@ def keep_hf_fp32(model, dtype: torch.dtype) -> None:
     """The parameters and buffers ``from_pretrained(dtype=dtype)`` keeps in fp32 (``precision.hf_fp32_pattern``:
     DeepSeek-V3's routing correction bias; from transformers 5.24 the DeepSeek-V2/V3 router weights) back to fp32 in
     a model built with ``from_config(dtype=dtype)``, which honours only what the module code creates in fp32."""
-    from .methods.precision import hf_fp32_pattern
+    from .runtime.precision import hf_fp32_pattern
 
     keep = hf_fp32_pattern(model, dtype)
     if keep is None:

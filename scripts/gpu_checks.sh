@@ -19,7 +19,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     echo "=== $name rc=$rc wall=$((SECONDS - t0))s"; tail -n "${TAIL:-15}" "$OUT/$name.log"
 }
 TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2
-TAIL=25 step gpu_tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_strategies.py tests/callbacks/test_training_callbacks.py
+TAIL=25 step gpu_tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/runtime/test_strategies.py tests/callbacks/test_training_callbacks.py
 for extra in "${@}"; do  # further run.py invocations given as arguments, e.g. "hardware=deepspeed_zero3 method=condenser"
     # shellcheck disable=SC2086
     step "run_$(echo "$extra" | tr -c 'a-z0-9' '_' | cut -c1-60)" 120 python3 run.py debug=fast logger=none hardware.trainer.devices=1 \

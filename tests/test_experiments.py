@@ -196,7 +196,7 @@ def test_preset_carries_the_papers_hyper_parameters(preset):
     task, data = cfg.task, cfg.dataset
     assert cfg.model.pretrained == want["model"]
     assert cfg.hydra.runtime.choices.dataset == want["dataset"]
-    # the papers' 8 x 80 GB node, a sharded setting that fits by moe-lab's estimate (tests/test_plan.py checks the fit)
+    # the papers' 8 x 80 GB node, a sharded setting that fits by moe-lab's estimate (tests/runtime/test_plan.py checks the fit)
     assert cfg.hydra.runtime.choices.hardware.endswith("_8gpu") and cfg.hardware.trainer.devices == 8
     assert cfg.hardware.trainer.precision == "bf16-mixed" and cfg.model.dtype == "bfloat16"
     assert task.optim.lr == pytest.approx(want["lr"], rel=0, abs=0)

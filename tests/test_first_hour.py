@@ -19,9 +19,14 @@ from moe_lab.data.resumable import ResumableDataLoader
 from moe_lab.data.sources import open_dataset
 from moe_lab.eval.results import ResultsTable, collect, expand_runs
 from moe_lab.eval.results import main as results_main
+from moe_lab.runtime.checkpoint_io import (
+    AtomicCheckpointIO,
+    CheckpointOnSignal,
+    check_matches,
+    read_checkpoint,
+)
+from moe_lab.runtime.preflight import check_hardware, check_numbers, check_wandb
 from moe_lab.sweep_summary import record_failure, sweep_rows, write_sweep_summary
-from moe_lab.tasks.checkpoint_io import AtomicCheckpointIO, CheckpointOnSignal, check_matches, read_checkpoint
-from moe_lab.tasks.preflight import check_hardware, check_numbers, check_wandb
 from tests.callbacks.conftest import TinyModule, loader, random_batches
 from tests.conftest import ROOT
 
@@ -376,7 +381,7 @@ def test_debug_fast_with_no_callbacks_instantiates_none():
 def test_resume_in_the_same_directory_keeps_updating_last_ckpt(tmp_path):
     """A signal checkpoint written before any periodic one leaves last.ckpt unknown to ModelCheckpoint's state;
     the resumed run must overwrite last.ckpt (not start last-v1.ckpt), or a second resume would go back."""
-    from moe_lab.tasks.checkpoint_io import checkpoint_callback
+    from moe_lab.runtime.checkpoint_io import checkpoint_callback
 
     ckpt_dir = tmp_path / "checkpoints"
 

@@ -28,8 +28,8 @@ from torch.nn.utils import parametrize
 
 from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
+from ..runtime.precision import export_in_load_dtype
 from . import peft_export
-from .precision import export_in_load_dtype
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
@@ -154,7 +154,7 @@ def _packed_merge(module: nn.Module, name: str) -> torch.Tensor:
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
     """The HF model's state dict with every adapter merged into its base weight (vanilla key names). Merged
     tensors are fp32 (``W + scale * B @ A`` from fp32 copies); the export casts them once to the load dtype
-    (:func:`~moe_lab.methods.precision.export_in_load_dtype`)."""
+    (:func:`~moe_lab.runtime.precision.export_in_load_dtype`)."""
     merged = {}
     for key, value in patch.model.state_dict().items():
         if ".lora." in key or "lora_A" in key or "lora_B" in key:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .precision import in_load_dtype
+from ..runtime.precision import in_load_dtype
 
 ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.dense import export_compressed, to_dense
 from ..compress.point_log import PointLog
@@ -32,7 +31,8 @@ from ..eval.eval_sets import load_eval_set
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
-from .stop_signal import StopOnSignal
+from ..runtime.atomic import atomic_write_json
+from ..runtime.stop_signal import StopOnSignal
 
 log = logging.getLogger(__name__)
 

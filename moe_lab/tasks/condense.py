@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.condense import condense, export_condensed, to_vanilla
 from ..compress.condense_search import (
@@ -33,8 +32,9 @@ from ..compress.point_log import PointLog
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
+from ..runtime.atomic import atomic_write_json
+from ..runtime.stop_signal import StopOnSignal
 from .calibrate import calibration_sequences
-from .stop_signal import StopOnSignal
 
 log = logging.getLogger(__name__)
 METHODS = ("cd_moe", "layer_trim", "block_trim")

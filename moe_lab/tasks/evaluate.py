@@ -22,7 +22,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ..atomic import atomic_write_json
 from ..compress.export_check import check_export
 from ..data.prompts import build_prompt
 from ..eval.choices import choice_item, get_format
@@ -40,6 +39,7 @@ from ..eval.score import format_summary, score_choice_records, score_predictions
 from ..methods.registry import install_exported_routing
 from ..models import load_model
 from ..plain import flatten, to_plain
+from ..runtime.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 

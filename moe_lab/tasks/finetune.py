@@ -16,14 +16,12 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from .. import slurm
-from ..atomic import atomic_write_json
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
-from ..methods.precision import export_in_load_dtype
 from ..models import load_model
-from ..strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
-from .checkpoint_io import (
+from ..runtime import slurm
+from ..runtime.atomic import atomic_write_json
+from ..runtime.checkpoint_io import (
     AtomicCheckpointIO,
     CheckpointOnSignal,
     check_matches,
@@ -32,7 +30,8 @@ from .checkpoint_io import (
     read_checkpoint,
     remove_stale_temporaries,
 )
-from .resume import (
+from ..runtime.precision import export_in_load_dtype
+from ..runtime.resume import (
     History,
     LastStepCheckpoint,
     accept_run,
@@ -45,7 +44,8 @@ from .resume import (
     resume_checkpoint,
     run_record,
 )
-from .run_lock import RunLock
+from ..runtime.run_lock import RunLock
+from ..runtime.strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""``plan=true`` (moe_lab/tasks/plan.py), the epoch-based preflight and the memory preflight
-(moe_lab/tasks/memory_fit.py).
+"""``plan=true`` (moe_lab/runtime/plan.py), the epoch-based preflight and the memory preflight
+(moe_lab/runtime/memory_fit.py).
 
 Oracles: Lightning's own loop (optimizer steps of a real ``Trainer.fit``), torch's DistributedSampler (rows per
 rank), hand-computed schedule values, and the tiny-sibling run of a preset (its global step and data counts are
@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import run
 from moe_lab.data.resumable import ResumableSampler
-from moe_lab.tasks import memory_fit
-from moe_lab.tasks.plan import optimizer_steps, schedule_points
-from moe_lab.tasks.preflight import check_length, preflight
+from moe_lab.runtime import memory_fit
+from moe_lab.runtime.plan import optimizer_steps, schedule_points
+from moe_lab.runtime.preflight import check_length, preflight
 from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
 
 #: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE

@@ -134,7 +134,7 @@ class Runner:
 
     def __init__(self):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, "-c", "from tests.test_signal_matrix import serve; serve()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "from tests.runtime.test_signal_matrix import serve; serve()"],
                                      cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert json.loads(self.proc.stdout.readline()) == {"ready": True}
         self.times: list[tuple[str, float, float]] = []

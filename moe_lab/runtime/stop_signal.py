@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Self
 
-from .finetune import RunInterrupted
+from ..tasks.finetune import RunInterrupted
 
 
 class Interrupted(RunInterrupted):
@@ -29,7 +29,7 @@ class StopOnSignal:
         self.what, self.signum, self._previous = what, None, {}
 
     def __enter__(self) -> Self:
-        from .. import slurm
+        from . import slurm
 
         self._requeue = slurm.SubmititRequeue()  # finds submitit's handler before ours replaces it
         if threading.current_thread() is threading.main_thread():
