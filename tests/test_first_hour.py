@@ -367,7 +367,7 @@ def test_debug_fast_with_no_callbacks_instantiates_none():
     """debug=fast tunes callbacks.expert_load; with callbacks=none that leftover has no _target_ to build."""
     from hydra import compose, initialize_config_dir
 
-    from moe_lab.tasks.finetune import _instantiate_all
+    from moe_lab.runtime.training import _instantiate_all
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast", "callbacks=none"])

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Self
 
-from ..tasks.finetune import RunInterrupted
+from .training import RunInterrupted
 
 
 class Interrupted(RunInterrupted):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..compress.calibrate_run import calibrate_task
+from ..compress.condense_run import condense_task
 from ..plain import to_plain
 from ..runtime.atomic import atomic_write_json
 from ..runtime.stage import stage_config
-from .calibrate import calibrate_task
-from .condense import condense_task
-from .finetune import finetune
+from ..runtime.training import finetune
 
 # lm-eval task -> (results column, metric): acc_norm where lm-eval has it, acc otherwise (spec A4-6)
 COLUMNS = {"arc_challenge": ("ARC-C", "acc_norm"), "boolq": ("BoolQ", "acc"), "hellaswag": ("HellaSwag", "acc_norm"),

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..methods.condenser import STATE_FILE
 from ..runtime.atomic import atomic_write_json, atomic_write_text
-from .finetune import finetune
+from ..runtime.training import finetune
 
 INITS = ("original", "phase1")
 

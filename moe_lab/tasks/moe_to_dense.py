@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..compress.calibrate_run import calibrate_task
 from ..compress.dense import export_compressed
+from ..compress.run import compress, eval_ids
 from ..compress.sweep import ppl_point
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
 from ..runtime.atomic import atomic_write_json, atomic_write_text
 from ..runtime.stage import stage_config
-from .calibrate import calibrate_task
-from .compress import compress, eval_ids
-from .finetune import finetune
+from ..runtime.training import finetune
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..compress.export_check import check_export
 from ..data.prompts import build_prompt
-from ..eval.choices import choice_item, get_format
-from ..eval.eval_sets import (
+from ..methods.registry import install_exported_routing
+from ..models import load_model
+from ..plain import flatten, to_plain
+from ..runtime.atomic import atomic_write_json
+from .choices import choice_item, get_format
+from .eval_sets import (
     GROUPS,
     EvalData,
     EvalSetUnavailable,
@@ -33,13 +37,9 @@ from ..eval.eval_sets import (
     resolve,
     row_ids,
 )
-from ..eval.fingerprint import model_fingerprint
-from ..eval.results import ResultsTable
-from ..eval.score import format_summary, score_choice_records, score_predictions
-from ..methods.registry import install_exported_routing
-from ..models import load_model
-from ..plain import flatten, to_plain
-from ..runtime.atomic import atomic_write_json
+from .fingerprint import model_fingerprint
+from .results import ResultsTable
+from .score import format_summary, score_choice_records, score_predictions
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def _prompt(tokenizer, row: dict) -> str:
 
 def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, object]:
     """Generate the rows ``store`` lacks (``ev.batch_size`` prompts per write); ``{row index: prediction}``."""
-    from ..eval.generation import generate
+    from .generation import generate
 
     gen = to_plain(ev.generation)
     ids = row_ids(data)
@@ -212,7 +212,7 @@ def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) 
 
 def _loglik_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, dict]:
     """Multiple-choice log-likelihood records ``{row index: {"loglik", "pred", "pred_norm"}}``, resumable."""
-    from ..eval.likelihood import score_choices
+    from .likelihood import score_choices
 
     fmt = get_format(data.spec.answer_format)
     ids = row_ids(data)
@@ -240,8 +240,8 @@ def _loglik_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) ->
 
 
 def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settings: dict) -> dict:
-    from ..eval.likelihood import max_model_length
-    from ..eval.perplexity import perplexity
+    from .likelihood import max_model_length
+    from .perplexity import perplexity
 
     cfg = to_plain(ev.perplexity)
     max_length = int(cfg["max_length"])
@@ -372,7 +372,7 @@ def _lm_columns(cfg: DictConfig) -> dict:
 
 def _lm_eval_columns(model, tokenizer, ev, columns: dict, key, table: ResultsTable, results: dict) -> None:
     """``eval.lm_eval.tasks`` ({column: {task, metric}}) through lm-evaluation-harness, one table column each."""
-    from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
+    from .lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
 
     lm, t0 = ev.lm_eval, time.time()
     extra = {"confirm_run_unsafe_code": True} if lm.get("confirm_run_unsafe_code") else {}

@@ -11,11 +11,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..compress.calibration import Calibration
-from ..compress.dense import export_compressed, to_dense
-from ..compress.point_log import PointLog
-from ..compress.prune import prune_experts, strategy_counts
-from ..compress.sweep import (
+from ..data.collate import encode_prompt
+from ..eval.eval_sets import load_eval_set
+from ..models import load_model
+from ..moe.view import find_moe_layers
+from ..plain import to_plain
+from ..runtime.atomic import atomic_write_json
+from ..runtime.stop_signal import StopOnSignal
+from .calibration import Calibration
+from .dense import export_compressed, to_dense
+from .point_log import PointLog
+from .prune import prune_experts, strategy_counts
+from .sweep import (
     BEST_PPL,
     choose_scaling,
     dense_sweep,
@@ -26,13 +33,6 @@ from ..compress.sweep import (
     write_grid,
     write_prune_study,
 )
-from ..data.collate import encode_prompt
-from ..eval.eval_sets import load_eval_set
-from ..models import load_model
-from ..moe.view import find_moe_layers
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
-from ..runtime.stop_signal import StopOnSignal
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..models import load_model
-from ..runtime import slurm
-from ..runtime.atomic import atomic_write_json
-from ..runtime.checkpoint_io import (
+from . import slurm
+from .atomic import atomic_write_json
+from .checkpoint_io import (
     AtomicCheckpointIO,
     CheckpointOnSignal,
     check_matches,
@@ -30,8 +30,8 @@ from ..runtime.checkpoint_io import (
     read_checkpoint,
     remove_stale_temporaries,
 )
-from ..runtime.precision import export_in_load_dtype
-from ..runtime.resume import (
+from .precision import export_in_load_dtype
+from .resume import (
     History,
     LastStepCheckpoint,
     accept_run,
@@ -44,8 +44,8 @@ from ..runtime.resume import (
     resume_checkpoint,
     run_record,
 )
-from ..runtime.run_lock import RunLock
-from ..runtime.strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
+from .run_lock import RunLock
+from .strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
 
 log = logging.getLogger(__name__)
 

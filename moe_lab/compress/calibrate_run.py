@@ -10,9 +10,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ..compress.calibration import calibrate
 from ..models import load_model
 from ..runtime.atomic import atomic_write_json
+from .calibration import calibrate
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..compress.calibration import Calibration
-from ..compress.condense import condense, export_condensed, to_vanilla
-from ..compress.condense_search import (
+from ..models import load_model
+from ..moe.view import find_moe_layers
+from ..plain import to_plain
+from ..runtime.atomic import atomic_write_json
+from ..runtime.stop_signal import StopOnSignal
+from .calibrate_run import calibration_sequences
+from .calibration import Calibration
+from .condense import condense, export_condensed, to_vanilla
+from .condense_search import (
     EXPERT_BASELINES,
     LAYER_METHODS,
     LAYER_METRICS,
@@ -27,14 +33,8 @@ from ..compress.condense_search import (
     trim,
     trim_order,
 )
-from ..compress.dense import export_compressed
-from ..compress.point_log import PointLog
-from ..models import load_model
-from ..moe.view import find_moe_layers
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
-from ..runtime.stop_signal import StopOnSignal
-from .calibrate import calibration_sequences
+from .dense import export_compressed
+from .point_log import PointLog
 
 log = logging.getLogger(__name__)
 METHODS = ("cd_moe", "layer_trim", "block_trim")
@@ -212,7 +212,7 @@ def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: st
 @torch.no_grad()
 def forward_seconds(model, batches) -> float:
     """Wall time of one forward pass over ``batches`` (after one warm-up batch), synchronising CUDA."""
-    from ..compress.condense_search import _run
+    from .condense_search import _run
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     _run(model, batches[0])
@@ -277,7 +277,7 @@ def condense_task(cfg: DictConfig) -> dict:
         summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
         from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
-        from .cd_moe_sft import results_table, task_source
+        from ..tasks.cd_moe_sft import results_table, task_source
 
         result = evaluate_with_lm_eval(model, tokenizer, list(c.eval.tasks), limit=c.eval.limit,
                                        batch_size=int(c.eval.batch_size), hub_tasks=bool(c.eval.hub_tasks),
