@@ -252,7 +252,7 @@ def execute(cfg: DictConfig) -> dict:
     behind Hydra's command line; tests call it in-process on a config composed with ``paths.output_dir`` set."""
     from moe_lab.runtime.preflight import preflight
     from moe_lab.runtime.resume import accept_run, defer_run_files
-    from moe_lab.runtime.training import RunInterrupted
+    from moe_lab.runtime.stop_signal import RunInterrupted
     from moe_lab.tasks import run_task
 
     _quiet()

@@ -367,15 +367,15 @@ def test_debug_fast_with_no_callbacks_instantiates_none():
     """debug=fast tunes callbacks.expert_load; with callbacks=none that leftover has no _target_ to build."""
     from hydra import compose, initialize_config_dir
 
-    from moe_lab.runtime.training import _instantiate_all
+    from moe_lab.runtime.trainer import instantiate_all
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast", "callbacks=none"])
     assert "_target_" not in cfg.callbacks.expert_load
-    assert _instantiate_all(cfg.callbacks) == []
+    assert instantiate_all(cfg.callbacks) == []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast"])
-    assert any(type(c).__name__ == "ExpertLoadCallback" for c in _instantiate_all(cfg.callbacks))
+    assert any(type(c).__name__ == "ExpertLoadCallback" for c in instantiate_all(cfg.callbacks))
 
 
 def test_resume_in_the_same_directory_keeps_updating_last_ckpt(tmp_path):

@@ -1,4 +1,5 @@
-"""task=calibrate: one streamed pass of the unmodified model over calibration text, saved as one file."""
+"""The run behind task=calibrate (and the calibrate stage of multi-stage tasks): one streamed pass of the
+unmodified model over calibration text, saved as one file."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""task=condense: CD-MoE (spec compression.md 3) from one calibration file: expert lists per layer (greedy JS /
-random / L1 / PL_Alpha_Hill), a layer order (greedy / Layer Rank / Global Layer Rank; JS / KL / PPL), the
-condensed model (or LayerTrim / BlockTrim), memory ratio, export (``load_condensed``) and optional lm-eval."""
+"""The run behind task=condense (and the condense stage of task=cd_moe_sft): CD-MoE (spec compression.md 3)
+from one calibration file: expert lists per layer (greedy JS / random / L1 / PL_Alpha_Hill), a layer order
+(greedy / Layer Rank / Global Layer Rank; JS / KL / PPL), the condensed model (or LayerTrim / BlockTrim),
+memory ratio, export (``load_condensed``) and optional lm-eval."""
 
 from __future__ import annotations
 
@@ -277,7 +278,7 @@ def condense_task(cfg: DictConfig) -> dict:
         summary["export"], summary["export_format"] = _export(model, tokenizer, c, calibration, out / "export")
     if c.eval.tasks:
         from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
-        from ..tasks.cd_moe_sft import results_table, task_source
+        from ..eval.lm_eval_table import results_table, task_source
 
         result = evaluate_with_lm_eval(model, tokenizer, list(c.eval.tasks), limit=c.eval.limit,
                                        batch_size=int(c.eval.batch_size), hub_tasks=bool(c.eval.hub_tasks),

@@ -1,5 +1,6 @@
-"""task=compress: MoE -> dense conversion or expert pruning from one calibration file, perplexity, export;
-``compress.sweep=true`` evaluates a whole grid in one process (see ``moe_lab.compress.sweep``)."""
+"""The run behind task=compress (and the conversion stage of task=moe_to_dense): MoE -> dense conversion or expert
+pruning from one calibration file, perplexity, export; ``compress.sweep=true`` evaluates a whole grid in one process
+(see ``moe_lab.compress.sweep``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ def eval_ids(ev, tokenizer) -> list[int]:
     data = load_eval_set("wikitext2", path=ev.path)
     ids = encode_prompt(tokenizer, data.text)
     return ids[: int(ev.max_tokens)] if ev.max_tokens else ids
+
+
+def student_ppl(model, tokenizer, c: DictConfig) -> dict:
+    """``ppl_point`` of ``model`` on ``compress.eval`` (``c``), at the settings task=compress measures with."""
+    kw = {"max_length": min(int(c.eval.max_length), int(model.config.max_position_embeddings)),
+          "stride": int(c.eval.stride), "batch_size": int(c.eval.batch_size)}
+    kw["stride"] = min(kw["stride"], kw["max_length"])
+    return ppl_point(model.eval(), tokenizer, eval_ids(c.eval, tokenizer), **kw)
 
 
 def _check(c) -> None:

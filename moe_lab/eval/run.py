@@ -1,4 +1,5 @@
-"""task=evaluate: score a model on an ``eval=`` group and write the papers' results table.
+"""The run behind task=evaluate (and the evaluation of task=expert_removal's points): score a model on an
+``eval=`` group and write the papers' results table.
 
 The model is ``task.checkpoint`` (an export directory, or a ``.ckpt`` written by task=finetune) or, when
 that is null, ``cfg.model`` itself. Generative sets are prompted like training data (``build_prompt``:

@@ -9,7 +9,9 @@ import sys
 import threading
 from typing import Self
 
-from .training import RunInterrupted
+
+class RunInterrupted(SystemExit):
+    """Training stopped on a signal after writing a checkpoint; the exit status is 128 + the signal number."""
 
 
 class Interrupted(RunInterrupted):

@@ -1,9 +1,10 @@
-"""task=finetune: train an MoE model with one method, then export a vanilla-loadable checkpoint."""
+"""Train an MoE model with one method under the run-time layer (run lock, resume checks, signals, SLURM requeue),
+then export a vanilla-loadable checkpoint: the run behind task=finetune and the training stages of multi-stage
+tasks."""
 
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import signal
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,11 +23,9 @@ from ..models import load_model
 from . import slurm
 from .atomic import atomic_write_json
 from .checkpoint_io import (
-    AtomicCheckpointIO,
     CheckpointOnSignal,
     check_matches,
     check_resumable,
-    checkpoint_callback,
     read_checkpoint,
     remove_stale_temporaries,
 )
@@ -45,55 +44,11 @@ from .resume import (
     run_record,
 )
 from .run_lock import RunLock
-from .strategies import build_strategy, config_strategy_kind, gather_full_weights, prepare
+from .stop_signal import RunInterrupted
+from .strategies import config_strategy_kind, gather_full_weights, prepare
+from .trainer import build_trainer, instantiate_all
 
 log = logging.getLogger(__name__)
-
-
-class RunInterrupted(SystemExit):
-    """Training stopped on a signal after writing a checkpoint; the exit status is 128 + the signal number."""
-
-
-def _instantiate_all(group) -> list:
-    out = []
-    for name, node in (group or {}).items():
-        if node is not None and "_target_" not in node:
-            # settings left by an override (e.g. debug=fast) for a callback the chosen group does not have
-            log.info("callbacks.%s has settings but no _target_ (not in the chosen callbacks group): skipped", name)
-            continue
-        if node is not None:
-            made = instantiate(node)
-            out.extend(made if isinstance(made, (list, tuple)) else [made])
-    return out
-
-
-def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) -> L.Trainer:
-    """A Trainer from the hardware group's trainer settings and the task's loop settings."""
-    trainer_kwargs = {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
-                      **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
-    strategy = build_strategy(trainer_kwargs)
-    # a run shorter than log_every_n_steps still logs its loss (and gets a loss curve)
-    if trainer_kwargs.get("max_steps", -1) > 0:
-        trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50),
-                                                  trainer_kwargs["max_steps"])
-    trainer_kwargs["enable_progress_bar"] = any(isinstance(c, ProgressBar) for c in callbacks)
-    checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
-                                     cfg.task.get("keep_last_checkpoints", 0))
-    return L.Trainer(
-        default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint, _LogShortEpochRuns()],
-        strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
-    )
-
-
-class _LogShortEpochRuns(L.Callback):
-    """An epoch-based run (``max_steps=-1``) shorter than ``log_every_n_steps`` still logs its loss: the interval is
-    capped at the run's optimizer steps once Lightning knows them (``build_trainer`` does it for ``max_steps``)."""
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.max_steps < 0:
-            total = trainer.estimated_stepping_batches
-            if math.isfinite(total):
-                trainer.log_every_n_steps = max(1, min(trainer.log_every_n_steps, int(total)))
 
 
 class _RunInfo(L.Callback):
@@ -120,7 +75,7 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
     pin_wandb_run(cfg, history, out)
     with warnings.catch_warnings():  # the run directory holds config.yaml already; metrics.csv is handled here
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
-        loggers = _instantiate_all(cfg.logger)
+        loggers = instantiate_all(cfg.logger)
         for logger in loggers:
             if isinstance(logger, L.pytorch.loggers.CSVLogger):
                 logger.experiment  # noqa: B018 - create the writer now (it deletes an old metrics.csv)
@@ -163,7 +118,7 @@ def _finetune(cfg: DictConfig) -> dict:
     accept_run()  # run.py's config.yaml and .hydra/, held back until a resume is accepted
     history = History(ckpt_path, resumed_step, out)
     loggers = _loggers(cfg, out, history)
-    callbacks = _instantiate_all(cfg.callbacks)
+    callbacks = instantiate_all(cfg.callbacks)
     if not loggers:  # logger=none: nothing to report learning rates to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     clock = next((c for c in callbacks if isinstance(c, ProgressLog)), None)

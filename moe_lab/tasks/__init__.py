@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 
 def _finetune(cfg):
-    from ..runtime.training import finetune
+    from .finetune import finetune
 
     return finetune(cfg)
 
 
 def _evaluate(cfg):
-    from ..eval.run import evaluate
+    from .evaluate import evaluate
 
     return evaluate(cfg)
 
@@ -28,7 +28,7 @@ TASKS: dict[str, Callable] = {"finetune": _finetune, "evaluate": _evaluate,
 
 
 def _calibrate(cfg):
-    from ..compress.calibrate_run import calibrate_task
+    from .calibrate import calibrate_task
 
     return calibrate_task(cfg)
 
@@ -37,7 +37,7 @@ TASKS["calibrate"] = _calibrate
 
 
 def _compress(cfg):
-    from ..compress.run import compress
+    from .compress import compress
 
     return compress(cfg)
 
@@ -55,7 +55,7 @@ def _analysis(module: str, function: str):
 
 
 TASKS["estimate"] = _analysis("estimate", "estimate_task")
-TASKS["condense"] = _analysis(".compress.condense_run", "condense_task")
+TASKS["condense"] = _analysis("condense", "condense_task")
 TASKS["cd_moe_sft"] = _analysis("cd_moe_sft", "cd_moe_sft")
 TASKS["correlation"] = _analysis("correlation", "correlation_task")
 TASKS["activation_stats"] = _analysis("activation_stats", "activation_stats_task")

@@ -13,11 +13,11 @@ from ..compress.calibrate_run import calibration_sequences
 from ..compress.d2d import D2DTarget, best_candidate, prune_candidates, prune_dense
 from ..compress.dense import export_compressed
 from ..compress.diagnostics import write_table
+from ..compress.run import student_ppl
 from ..compress.sweep import format_ppl
 from ..models import load_model
 from ..plain import to_plain
 from ..runtime.atomic import atomic_write_json, atomic_write_text
-from .moe_to_dense import student_ppl
 
 
 def _targets(t) -> dict[str, D2DTarget]:

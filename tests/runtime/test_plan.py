@@ -128,20 +128,21 @@ def h100(monkeypatch):
 
 
 def _forbid_loading(monkeypatch):
-    """``load_model`` fails the test wherever it is called from: every task module is imported first and its own
-    name patched too (a module first imported while ``moe_lab.models.load_model`` is patched would otherwise keep
-    the patch after the test, and fail the later tests of the same process)."""
+    """``load_model`` fails the test wherever it is called from: every moe_lab module (the tasks and the library
+    runs behind them) is imported first and its own name patched too (a module first imported while
+    ``moe_lab.models.load_model`` is patched would otherwise keep the patch after the test, and fail the later
+    tests of the same process)."""
     import importlib
     import pkgutil
 
+    import moe_lab
     import moe_lab.models
-    import moe_lab.tasks
 
     def fail(*args, **kwargs):
         pytest.fail("weights loaded")
 
-    modules = [importlib.import_module(f"moe_lab.tasks.{info.name}")
-               for info in pkgutil.iter_modules(moe_lab.tasks.__path__)]  # imported before anything is patched
+    modules = [importlib.import_module(info.name)  # imported before anything is patched
+               for info in pkgutil.walk_packages(moe_lab.__path__, "moe_lab.")]
     monkeypatch.setattr(moe_lab.models, "load_model", fail)
     for module in modules:
         if hasattr(module, "load_model"):

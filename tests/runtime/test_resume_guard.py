@@ -204,7 +204,7 @@ class DoubleCtrlC(L.Callback):
 
 def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_kept(tmp_path, capsys):
     """Issue 21.19: before, Lightning's exit(1) with no 'Resume with:' line."""
-    from moe_lab.runtime.training import RunInterrupted
+    from moe_lab.runtime.stop_signal import RunInterrupted
 
     out = tmp_path / "run"
     try:

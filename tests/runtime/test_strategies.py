@@ -250,7 +250,7 @@ def test_devices_above_what_the_machine_has_are_named():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
 def test_finetune_build_trainer_refuses_gpu_hardware_on_cpu(tmp_path):
-    from moe_lab.runtime.training import build_trainer
+    from moe_lab.runtime.trainer import build_trainer
 
     cfg = _compose("hardware=deepspeed_zero3", "hardware.trainer.devices=4")
     with pytest.raises(ValueError, match=r"trainer.devices=4 \(trainer.accelerator=gpu\): this machine has 0"):
