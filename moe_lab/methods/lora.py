@@ -29,11 +29,14 @@ from torch.nn.utils import parametrize
 from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
 from ..runtime.precision import export_in_load_dtype
-from . import peft_export
+from .registry import register_adapter
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
 _LINEAR_TARGET_GROUPS = {"attention": "attention", "shared_experts": "shared_experts", "dense_mlp": "other"}
+#: export hooks ``(patch, export_dir)`` every LoRA patch gets: writers of the adapters beside the merged export.
+#: :mod:`moe_lab.methods.peft_export` adds its ``<export>/adapter/`` (PEFT) writer (``moe_lab.methods`` imports it)
+ADAPTER_EXPORTS: list = []
 
 
 class PackedLoRA(nn.Module):
@@ -71,6 +74,7 @@ class LinearLoRA(nn.Module):
         return output + self.scale * ((x @ self.lora_A.t()) @ self.lora_B.t())
 
 
+@register_adapter("lora")
 def add_lora(
     patch: MoEPatch,
     base_parameters: set[int],
@@ -128,7 +132,8 @@ def add_lora(
     # frozen base tensors no longer train any slice: only the adapters' masks remain
     patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
     patch.export_state_dict = functools.partial(merged_state_dict, patch)
-    patch.export_hooks.append(functools.partial(peft_export.export_hook, patch))  # <export>/adapter/ (PEFT)
+    for export in ADAPTER_EXPORTS:
+        patch.export_hooks.append(functools.partial(export, patch))  # <export>/adapter/ (PEFT)
     export_in_load_dtype(patch)  # merged in fp32 above, then every tensor cast once to the load dtype
 
 
