@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from moe_lab.methods.base import MoELightningModule
-from moe_lab.models import keep_hf_fp32, load_model
-from moe_lab.runtime.precision import in_load_dtype, plan_master_weights
+from moe_lab.models import load_model
+from moe_lab.runtime.precision import in_load_dtype, keep_hf_fp32, plan_master_weights
 from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg
 
 LR = 2e-5
