@@ -1,6 +1,6 @@
 """moe_lab's import graph, read from its own sources (every ``import`` / ``from ... import`` of every module,
-those inside functions included): it has no cycles, and no task module imports another task module (tasks/ holds
-only what run.py dispatches, each task composed of library calls)."""
+those inside functions included): it has no cycles, and no task module imports another task module (tasks/
+holds only what run.py dispatches, each task composed of library calls)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """``{module: {moe_lab modules it imports}}`` for every module of the package at ``root``. ``from p import x``
-    counts as importing ``p.x`` where that is a module, else ``p``; an import of a package's module does not count
-    as importing the package's ``__init__`` (Python runs it first, but it is no edge of the code's own)."""
+    """``{module: {moe_lab modules it imports}}`` for every module of the package at ``root``. ``from p import
+    x`` counts as importing ``p.x`` where that is a module, else ``p``; an import of a package's module does not
+    count as importing the package's ``__init__`` (Python runs it first, but it is no edge of the code's own)."""
     files = {module_name(p, root): p for p in root.rglob("*.py")}
     top = root.name
 
@@ -130,6 +130,6 @@ def test_the_method_registry_imports_no_method_and_is_filled_on_import():
     assert not {m for m in import_graph()["moe_lab.methods.registry"] if m.startswith("moe_lab.methods.")}
     code = ("from moe_lab.methods.registry import ADAPTERS, EXPORT_LOADERS, METHODS; "
             "print((sorted(METHODS), sorted(ADAPTERS), sorted(EXPORT_LOADERS)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert out.strip() == str((["compressed_experts", "condenser", "densemixer", "esft", "frozen_router", "sft"],
-                               ["lora"], ["condenser.json", "moe_lab_compressed_experts.json"]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    methods = ["compressed_experts", "condenser", "densemixer", "esft", "frozen_router", "sft"]
+    assert out.stdout.strip() == str((methods, ["lora"], ["condenser.json", "moe_lab_compressed_experts.json"]))

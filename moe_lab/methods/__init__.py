@@ -3,7 +3,8 @@
 Each method module registers its installer (and its export loader) with :mod:`.registry`; importing them here
 fills the registry whenever any part of ``moe_lab.methods`` is imported."""
 
-from . import compressed_experts, condenser, densemixer, esft, lora, peft_export, sft  # noqa: F401 - they register
+# each registers itself with .registry on import
+from . import compressed_experts, condenser, densemixer, esft, lora, peft_export, sft  # noqa: F401
 from .registry import METHODS, apply, supported_methods
 
 __all__ = ["METHODS", "apply", "supported_methods"]

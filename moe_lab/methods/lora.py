@@ -34,8 +34,9 @@ from .registry import register_adapter
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
 _LINEAR_TARGET_GROUPS = {"attention": "attention", "shared_experts": "shared_experts", "dense_mlp": "other"}
-#: export hooks ``(patch, export_dir)`` every LoRA patch gets: writers of the adapters beside the merged export.
-#: :mod:`moe_lab.methods.peft_export` adds its ``<export>/adapter/`` (PEFT) writer (``moe_lab.methods`` imports it)
+#: export hooks ``(patch, export_dir)`` every LoRA patch gets: writers of the adapters beside the merged
+#: export. :mod:`moe_lab.methods.peft_export` adds its ``<export>/adapter/`` (PEFT) writer (``moe_lab.methods``
+#: imports it)
 ADAPTER_EXPORTS: list = []
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
 
-#: method name -> installer ``(patch, **options)``; each method module registers its own (:func:`register_method`),
-#: and ``moe_lab.methods`` imports them all, so the registry imports none of them
+#: method name -> installer ``(patch, **options)``; each method module registers its own
+#: (:func:`register_method`) and ``moe_lab.methods`` imports them all, so the registry imports none of them
 METHODS: dict[str, Callable] = {}
 #: adapter name -> ``(patch, base_parameters, **options)`` added on top of any method (``apply(lora={...})``)
 ADAPTERS: dict[str, Callable] = {}
@@ -21,7 +21,8 @@ ADAPTERS: dict[str, Callable] = {}
 def _register(table: dict, key: str, what: str) -> Callable[[Callable], Callable]:
     def register(fn: Callable) -> Callable:
         if key in table and table[key] is not fn:
-            raise ValueError(f"{what} {key!r} is registered twice: {table[key].__module__} and {fn.__module__}")
+            raise ValueError(f"{what} {key!r} is registered twice: {table[key].__module__} and "
+                             f"{fn.__module__}")
         table[key] = fn
         return fn
 
@@ -39,8 +40,8 @@ def register_adapter(name: str) -> Callable[[Callable], Callable]:
 
 
 def register_export_loader(filename: str) -> Callable[[Callable], Callable]:
-    """``@register_export_loader(STATE_FILE)`` on a loader ``(model, directory) -> MoEPatch``: an export holding
-    ``filename`` gets its method re-installed by :func:`install_exported_routing`."""
+    """``@register_export_loader(STATE_FILE)`` on a loader ``(model, directory) -> MoEPatch``: an export
+    holding ``filename`` gets its method re-installed by :func:`install_exported_routing`."""
     return _register(EXPORT_LOADERS, filename, "export loader")
 
 

@@ -1,5 +1,5 @@
-"""The Lightning Trainer of a training run: the hardware group's settings, the task's loop settings, the strategy,
-the atomic checkpoint writer and the cluster plugins."""
+"""The Lightning Trainer of a training run: the hardware group's settings, the task's loop settings, the
+strategy, the atomic checkpoint writer and the cluster plugins."""
 
 from __future__ import annotations
 

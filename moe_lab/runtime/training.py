@@ -1,6 +1,6 @@
-"""Train an MoE model with one method under the run-time layer (run lock, resume checks, signals, SLURM requeue),
-then export a vanilla-loadable checkpoint: the run behind task=finetune and the training stages of multi-stage
-tasks."""
+"""Train an MoE model with one method under the run-time layer (run lock, resume checks, signals, SLURM
+requeue), then export a vanilla-loadable checkpoint: the run behind task=finetune and the training stages of
+multi-stage tasks."""
 
 from __future__ import annotations
 

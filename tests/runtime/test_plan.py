@@ -128,8 +128,8 @@ def h100(monkeypatch):
 
 
 def _forbid_loading(monkeypatch):
-    """``load_model`` fails the test wherever it is called from: every moe_lab module (the tasks and the library
-    runs behind them) is imported first and its own name patched too (a module first imported while
+    """``load_model`` fails the test wherever it is called from: every moe_lab module (the tasks and the
+    library runs behind them) is imported first and its own name patched too (a module first imported while
     ``moe_lab.models.load_model`` is patched would otherwise keep the patch after the test, and fail the later
     tests of the same process)."""
     import importlib
