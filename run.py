@@ -250,10 +250,10 @@ def main(cfg: DictConfig):
 def execute(cfg: DictConfig) -> dict:
     """Run (or with ``plan=true`` only plan) the composed config; returns the task's summary. ``main`` is this
     behind Hydra's command line; tests call it in-process on a config composed with ``paths.output_dir`` set."""
+    from moe_lab.runtime.preflight import preflight
+    from moe_lab.runtime.resume import accept_run, defer_run_files
+    from moe_lab.runtime.stop_signal import RunInterrupted
     from moe_lab.tasks import run_task
-    from moe_lab.tasks.finetune import RunInterrupted
-    from moe_lab.tasks.preflight import preflight
-    from moe_lab.tasks.resume import accept_run, defer_run_files
 
     _quiet()
     if not sys.stdout.isatty():  # carriage-return bars of file writes are noise in logs and CI
@@ -272,7 +272,7 @@ def execute(cfg: DictConfig) -> dict:
     if _DEFERRED_SUBDIR is None:
         accept_run()  # a new run directory: written now
     if cfg.get("plan"):
-        from moe_lab.tasks.plan import plan
+        from moe_lab.runtime.plan import plan
 
         preflight(cfg, plan=True)
         return plan(cfg)
@@ -281,7 +281,7 @@ def execute(cfg: DictConfig) -> dict:
         summary = run_task(cfg)
         accept_run()  # a task that does not accept a run itself: its files once it has succeeded
     except RunInterrupted as stopped:
-        from moe_lab.tasks.checkpoint_io import marker_path
+        from moe_lab.runtime.checkpoint_io import marker_path
 
         if getattr(stopped, "hint", None):  # a loop of points (compress grid, prune study): how it continues
             print(stopped.hint, flush=True)

@@ -17,7 +17,7 @@ the wall time at the end of every optimizer step. Validation, observability call
   hardware.trainer.strategy.offload_optimizer=true``). This is the only DeepSpeed offload in which moe-lab runs
   DenseMixer, so all three rows are comparable.
 - ``parameters``: ZeRO-3 with parameters and optimizer offloaded (``hardware=deepspeed_zero3_offload``), the
-  paper's "parameter offloading". moe-lab refuses DenseMixer under ZeRO-3 (``moe_lab.strategies``): its row
+  paper's "parameter offloading". moe-lab refuses DenseMixer under ZeRO-3 (``moe_lab.runtime.strategies``): its row
   reports the refusal and the speed-ups are taken against SFT.
 The condenser run exports its model so ``condenser.json`` can be checked for chosen condensers. A row whose
 condensers were never chosen is reported as such, not as ExpertCondenser. The condensers are chosen by the

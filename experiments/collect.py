@@ -184,7 +184,7 @@ def _config_source(eval_cfg: dict) -> str | None:
     sources = {"moe_lab"} if eval_cfg.get("datasets") else set()
     tasks = [spec["task"] for spec in ((eval_cfg.get("lm_eval") or {}).get("tasks") or {}).values()]
     if tasks:
-        from moe_lab.tasks.cd_moe_sft import task_source
+        from moe_lab.eval.lm_eval_table import task_source
 
         sources.add(task_source(tasks))
     return None if not sources else sources.pop() if len(sources) == 1 else "mixed"

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from .moe.registry import family_spec, supported_families
 from .plain import to_plain
+from .runtime.precision import keep_hf_fp32
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,25 +58,6 @@ def validate_config(config) -> None:
         spec.routing_rule(config)
     except ValueError as err:
         raise ValueError(f"model.config ({config.model_type}): {err}") from None
-
-
-def keep_hf_fp32(model, dtype: torch.dtype) -> None:
-    """The parameters and buffers ``from_pretrained(dtype=dtype)`` keeps in fp32 (``precision.hf_fp32_pattern``:
-    DeepSeek-V3's routing correction bias; from transformers 5.24 the DeepSeek-V2/V3 router weights) back to fp32 in
-    a model built with ``from_config(dtype=dtype)``, which honours only what the module code creates in fp32."""
-    from .methods.precision import hf_fp32_pattern
-
-    keep = hf_fp32_pattern(model, dtype)
-    if keep is None:
-        return
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.is_floating_point() and param.dtype != torch.float32 and keep.search(name):
-                param.data = param.data.float()
-        for name, buf in list(model.named_buffers()):
-            if buf.is_floating_point() and buf.dtype != torch.float32 and keep.search(name):
-                owner, _, key = name.rpartition(".")
-                model.get_submodule(owner)._buffers[key] = buf.float()
 
 
 def load_model(model_cfg, tokenizer=None, method: str | None = None):

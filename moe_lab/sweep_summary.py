@@ -80,7 +80,7 @@ def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
     """``<job dir>/failed.json``: the failed job's model, method and error, for its row of the sweep table."""
     from omegaconf import OmegaConf
 
-    from .atomic import atomic_write_json
+    from .runtime.atomic import atomic_write_json
 
     chain = error_chain(error)
     return atomic_write_json(Path(job_dir) / FAILED, {
@@ -108,7 +108,7 @@ def log_sweep_table(config, sweep_dir: str | Path) -> Path | None:
     a warning: the CSV and Markdown tables are written already)."""
     import logging
 
-    from moe_lab.tasks.resume import wandb_logger_nodes
+    from moe_lab.runtime.resume import wandb_logger_nodes
 
     names = wandb_logger_nodes(config)
     rows = sweep_rows(sweep_dir)

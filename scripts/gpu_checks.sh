@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks a session runs when it is lent a CUDA machine (docs/scale-out.md, "What was tested where"): the
 # `gpu`-marked tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP), every family under a real ZeRO-3 engine
-# (tests/test_z3_families.py), the bf16 MFU benchmark, and the methods under
+# (tests/runtime/test_z3_families.py), the bf16 MFU benchmark, and the methods under
 # DeepSpeed on a tiny model. Wheels of missing packages may be carried in .whl/ (installed into /tmp/site).
 # Output goes to $OUT (or ./gpu_checks_out) as log files.
 set -uo pipefail
@@ -20,8 +20,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     echo "=== $name rc=$rc wall=$((SECONDS - t0))s"; tail -n "${TAIL:-15}" "$OUT/$name.log"
 }
 TAIL=25 step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA --durations=5 \
-    tests/test_strategies.py tests/callbacks/test_training_callbacks.py
-TAIL=12 step z3_families "${Z3_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --durations=3 tests/test_z3_families.py
+    tests/runtime/test_strategies.py tests/callbacks/test_training_callbacks.py
+TAIL=12 step z3_families "${Z3_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --durations=3 tests/runtime/test_z3_families.py
 TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2 \
     ${MFU_METHODS:+--methods $MFU_METHODS}
 for extra in "${@}"; do  # further run.py invocations given as arguments, e.g. "hardware=deepspeed_zero3 method=condenser"

@@ -1,5 +1,5 @@
 """Every real-model preset of conf/experiment, with local data and its family's tiny sibling, for the tests that
-run (tests/test_presets_run.py) and plan (tests/test_plan.py) them offline.
+run (tests/test_presets_run.py) and plan (tests/runtime/test_plan.py) them offline.
 
 Local data: a few rows of ../shared/data/llm_adapters/math_data.json, rewritten into each dataset format the
 presets read (LLM-Adapters rows, chat messages, reasoning traces, ShareGPT turns, prompt/completion fields, plain

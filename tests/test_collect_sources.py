@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments import collect
-from moe_lab.tasks.cd_moe_sft import task_source
+from moe_lab.eval.lm_eval_table import task_source
 from tests.conftest import ROOT
 
 MODEL = "tiny_deepseek_v2"

@@ -196,7 +196,7 @@ def test_preset_carries_the_papers_hyper_parameters(preset):
     task, data = cfg.task, cfg.dataset
     assert cfg.model.pretrained == want["model"]
     assert cfg.hydra.runtime.choices.dataset == want["dataset"]
-    # the papers' 8 x 80 GB node, a sharded setting that fits by moe-lab's estimate (tests/test_plan.py checks the fit)
+    # the papers' 8 x 80 GB node, a sharded setting that fits by moe-lab's estimate (tests/runtime/test_plan.py checks the fit)
     assert cfg.hydra.runtime.choices.hardware.endswith("_8gpu") and cfg.hardware.trainer.devices == 8
     assert cfg.hardware.trainer.precision == "bf16-mixed" and cfg.model.dtype == "bfloat16"
     assert task.optim.lr == pytest.approx(want["lr"], rel=0, abs=0)
@@ -368,7 +368,7 @@ def test_bias_only_rows_learn_biases_and_train_weights_from_step_zero(preset, ti
 def test_reported_rows_are_labels_our_presets_produce():
     methods = {p.stem for p in (CONF / "method").glob("*.yaml")}
     produced = methods | {"sft_topk_half"} | {label for _, label, _ in ROWS.values()}
-    from moe_lab.tasks.condense import METHODS as CONDENSE_METHODS
+    from moe_lab.compress.condense_run import METHODS as CONDENSE_METHODS
 
     # CD-MoE rows: the unmodified model, and task=condense's methods (cd_moe as its S / SR variants); "base": a
     # model evaluated without a checkpoint (task=evaluate's label)

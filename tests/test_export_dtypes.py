@@ -33,8 +33,8 @@ from moe_lab.compress.condense import CONDENSE_FILE, to_vanilla
 from moe_lab.compress.dense import export_compressed, to_dense
 from moe_lab.compress.prune import prune_experts
 from moe_lab.methods.condense_sft import CondenseSFTModule
-from moe_lab.methods.precision import apply_master_weights, export_in_load_dtype
 from moe_lab.models import load_model
+from moe_lab.runtime.precision import apply_master_weights, export_in_load_dtype
 from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg, word_text
 
 BF16 = torch.bfloat16
@@ -283,7 +283,7 @@ def _kd_cfg(student, out, *overrides):
 def test_kd_dense_student_export_through_finetune_is_bf16(dense_student, tmp_path):
     """task=finetune, method=kd, a bf16 dense student on hardware=cpu (32-true: every parameter trains as an fp32
     master): the export is bf16 and equals last.ckpt's fp32 weights cast to bf16 by the test."""
-    from moe_lab.tasks.finetune import finetune
+    from moe_lab.runtime.training import finetune
 
     out = tmp_path / "run"
     finetune(_kd_cfg(dense_student, out, "task.trainer.max_steps=1", "task.trainer.limit_val_batches=0",
@@ -330,7 +330,7 @@ def test_zero_checkpoint_of_a_dense_kd_run_converts(dense_student, tmp_path):
     step and saves a ZeRO checkpoint; convert loads the model for the run's method (before: refused as a dense model)
     and writes a bf16 export equal to the engine's bf16 weights (the oracle, saved by the engine's process), with
     the run's teacher and teacher record deleted since (KDModule(export_only=True): neither is loaded)."""
-    from moe_lab.tasks.checkpoint_io import convert_zero_checkpoint
+    from moe_lab.runtime.checkpoint_io import convert_zero_checkpoint
 
     run = tmp_path / "run"
     run.mkdir()

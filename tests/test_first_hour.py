@@ -19,9 +19,14 @@ from moe_lab.data.resumable import ResumableDataLoader
 from moe_lab.data.sources import open_dataset
 from moe_lab.eval.results import ResultsTable, collect, expand_runs
 from moe_lab.eval.results import main as results_main
+from moe_lab.runtime.checkpoint_io import (
+    AtomicCheckpointIO,
+    CheckpointOnSignal,
+    check_matches,
+    read_checkpoint,
+)
+from moe_lab.runtime.preflight import check_hardware, check_numbers, check_wandb
 from moe_lab.sweep_summary import record_failure, sweep_rows, write_sweep_summary
-from moe_lab.tasks.checkpoint_io import AtomicCheckpointIO, CheckpointOnSignal, check_matches, read_checkpoint
-from moe_lab.tasks.preflight import check_hardware, check_numbers, check_wandb
 from tests.callbacks.conftest import TinyModule, loader, random_batches
 from tests.conftest import ROOT
 
@@ -362,21 +367,21 @@ def test_debug_fast_with_no_callbacks_instantiates_none():
     """debug=fast tunes callbacks.expert_load; with callbacks=none that leftover has no _target_ to build."""
     from hydra import compose, initialize_config_dir
 
-    from moe_lab.tasks.finetune import _instantiate_all
+    from moe_lab.runtime.trainer import instantiate_all
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast", "callbacks=none"])
     assert "_target_" not in cfg.callbacks.expert_load
-    assert _instantiate_all(cfg.callbacks) == []
+    assert instantiate_all(cfg.callbacks) == []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["debug=fast"])
-    assert any(type(c).__name__ == "ExpertLoadCallback" for c in _instantiate_all(cfg.callbacks))
+    assert any(type(c).__name__ == "ExpertLoadCallback" for c in instantiate_all(cfg.callbacks))
 
 
 def test_resume_in_the_same_directory_keeps_updating_last_ckpt(tmp_path):
     """A signal checkpoint written before any periodic one leaves last.ckpt unknown to ModelCheckpoint's state;
     the resumed run must overwrite last.ckpt (not start last-v1.ckpt), or a second resume would go back."""
-    from moe_lab.tasks.checkpoint_io import checkpoint_callback
+    from moe_lab.runtime.checkpoint_io import checkpoint_callback
 
     ckpt_dir = tmp_path / "checkpoints"
 

@@ -135,18 +135,18 @@ NOT_RUNNABLE = {
     "python -m pytest -q -n 2": "the whole test suite, which holds this test",
     'python -m pytest -q -n 2 -m "not slow"': "the quick test suite, which holds this module",
     "python -m pytest -q tests/<file>.py": "a synopsis (one test file)",
-    "python -m pytest -m slurm": "needs a SLURM cluster (scripts/slurm_local.sh start; tests/test_slurm.py)",
+    "python -m pytest -m slurm": "needs a SLURM cluster (scripts/slurm_local.sh start; tests/runtime/test_slurm.py)",
     "python run.py -m hydra/launcher=slurm method=sft,condenser model=olmoe hardware=gpu":
-        "needs a SLURM cluster (tests/test_slurm.py submits to a local one)",
+        "needs a SLURM cluster (tests/runtime/test_slurm.py submits to a local one)",
     "python run.py hardware=gpu_ddp model=olmoe model.pretrained=/local/OLMoE-1B-7B-0924":
-        "needs GPUs (DDP over NCCL; tests/test_strategies.py builds the strategy on CPU)",
+        "needs GPUs (DDP over NCCL; tests/runtime/test_strategies.py builds the strategy on CPU)",
     "python run.py hardware=deepspeed_zero3 hardware.trainer.devices=8 model=qwen3_moe ...":
         "needs 8 GPUs (DeepSpeed ZeRO-3), and `...` elides the rest",
-    "python -m moe_lab.tasks.checkpoint_io convert <run>/checkpoints/last.ckpt <run>/export_from_ckpt":
+    "python -m moe_lab.runtime.checkpoint_io convert <run>/checkpoints/last.ckpt <run>/export_from_ckpt":
         "<run> is a DeepSpeed run (last.ckpt a ZeRO directory, written on GPUs); a single-file .ckpt is refused "
-        "as needing no conversion (tests/test_strategies.py converts ZeRO checkpoints of DeepSpeed's CPU engine)",
-    "python -m moe_lab.tasks.checkpoint_io convert <zero dir> <out>":
-        "a synopsis; a ZeRO checkpoint directory is written on GPUs (tests/test_strategies.py converts CPU ones)",
+        "as needing no conversion (tests/runtime/test_strategies.py converts ZeRO checkpoints of DeepSpeed's CPU engine)",
+    "python -m moe_lab.runtime.checkpoint_io convert <zero dir> <out>":
+        "a synopsis; a ZeRO checkpoint directory is written on GPUs (tests/runtime/test_strategies.py converts CPU ones)",
     "python bench/mfu.py": "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",
     "python bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2":
         "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",

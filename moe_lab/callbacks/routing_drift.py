@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from moe_lab.analysis.drift_stats import DRIFT_STATS, RoutingSnapshot, drift_means, drift_sums, snapshot
 from moe_lab.data.packing import is_packed, model_inputs, real_token_mask
 from moe_lab.moe.block import split_router_output
-from moe_lab.strategies import model_forward
+from moe_lab.runtime.strategies import model_forward
 
 from ._dense import without_moe_layers
 from ._logging import ends_training, log_metrics, logging_step
@@ -84,7 +84,7 @@ def _forward_inputs(batch: dict) -> tuple[dict, torch.Tensor | None]:
 def capture_routing(pl_module: pl.LightningModule, batches, forward_context=None, forward=None
                     ) -> list[RoutingSnapshot]:
     """Route ``batches`` through ``pl_module.model`` (called as ``forward``, default the model itself; under
-    FSDP the root wrapper, :func:`moe_lab.strategies.model_forward`) in eval mode without gradients and
+    FSDP the root wrapper, :func:`moe_lab.runtime.strategies.model_forward`) in eval mode without gradients and
     return one :class:`RoutingSnapshot` per MoE layer (real tokens of all batches, in order).
 
     Every module's training flag is restored afterwards. In eval mode the moe-lab blocks count no routing

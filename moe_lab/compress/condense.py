@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView, find_moe_layers
+from ..runtime.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from .calibration import Calibration
 
 JS_EPS = 1e-10

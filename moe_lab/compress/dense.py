@@ -32,12 +32,12 @@ import torch
 import transformers
 from torch import nn
 
-from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import atomic_export
 from ..moe.routing import select_topk
 from ..moe.support import undefined_reason
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
+from ..runtime.precision import config_in_load_dtype, in_load_dtype, keep_hf_fp32, load_dtype
 from .calibration import Calibration
 from .grouping import GROUPINGS, clustering_distance, group_experts, rank
 from .merge import SCALINGS, check_scaling, merge_coefficients, merge_group, scaling_coefficients
@@ -249,8 +249,6 @@ def build_uninitialised(config, dtype: torch.dtype) -> nn.Module:
     caller; non-persistent buffers such as rotary frequencies are still computed), in ``dtype`` (its load
     dtype, ``config.dtype``) but for the tensors HF keeps in fp32 (``keep_hf_fp32``), as from_pretrained."""
     from transformers.initialization import no_init_weights
-
-    from ..models import keep_hf_fp32
 
     with torch.random.fork_rng(devices=[]), no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -20,10 +20,10 @@ import torch
 import transformers
 from torch import nn
 
-from ..methods.precision import load_dtype
 from ..models import validate_config
 from ..moe.registry import expert_count_field
 from ..moe.view import MoELayerView, find_moe_layers
+from ..runtime.precision import load_dtype
 from .calibration import Calibration
 from .dense import build_uninitialised, canonical
 from .grouping import rank

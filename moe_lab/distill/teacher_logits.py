@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_write
 from ..plain import to_plain
+from ..runtime.atomic import atomic_write
 from .losses import _mask, token_divergence
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from torchmetrics.aggregation import MeanMetric
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
-from ..strategies import optimizer_stepped, strategy_kind
-from .precision import apply_master_weights, check_mode
+from ..runtime.precision import apply_master_weights, check_mode
+from ..runtime.strategies import optimizer_stepped, strategy_kind
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
 
@@ -72,7 +72,7 @@ class MoELightningModule(L.LightningModule):
     number, or ``"native"`` = the family's own coefficient (:func:`~moe_lab.moe.aux_loss.native_aux_loss_coef`);
     it is mapped onto the family's aux-loss field when HF adds the loss itself, otherwise the registry's loss
     (DeepSeek: the sequence-wise balance loss) is added here, once. ``master_weights``: see
-    :mod:`moe_lab.methods.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
+    :mod:`moe_lab.runtime.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
     """
 
     def __init__(

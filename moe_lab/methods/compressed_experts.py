@@ -51,6 +51,7 @@ from ..moe.experts import expert_intermediate_size
 from ..moe.patch import MoEPatch
 from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView
+from .registry import apply, register_export_loader, register_method
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ def default_k_main(top_k: int) -> int:
     return top_k // 2
 
 
+@register_method("compressed_experts")
 def install_compressed_experts(
     patch: MoEPatch,
     k_main: int | None = None,
@@ -280,11 +282,10 @@ def _save_beside_export(patch: MoEPatch, options: dict, directory) -> None:
     save_compressed_experts(patch, directory, options)
 
 
+@register_export_loader(CONFIG_FILE)
 def load_compressed_experts(model: nn.Module, directory: str | Path) -> MoEPatch:
     """Install compressed experts on ``model`` (loaded from an export) with the vectors saved there."""
     from safetensors.torch import load_file
-
-    from .registry import apply
 
     directory = Path(directory)
     config_path, vectors_path = directory / CONFIG_FILE, directory / VECTORS_FILE

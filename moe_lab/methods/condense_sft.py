@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..compress.condense import CONDENSE_FILE, CondensedLayer, load_condensed, write_condensed
+from ..runtime.precision import load_dtype
 from .base import MoELightningModule
-from .precision import load_dtype
 
 
 def condensed_trainable(model: torch.nn.Module) -> list[str]:

@@ -60,12 +60,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..atomic import atomic_write_json
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
 from ..moe.stats import in_backward_pass
 from ..moe.support import refuse_undefined
+from ..runtime.atomic import atomic_write_json
+from .registry import apply, register_export_loader, register_method
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +357,7 @@ def _load_biases(state: dict, patch: MoEPatch) -> bool:
     return has_usage
 
 
+@register_method("condenser")
 def install_condenser(
     patch: MoEPatch,
     gamma: float = 1e-4,
@@ -437,11 +439,10 @@ def install_condenser(
     patch.export_hooks.append(functools.partial(_save_beside_export, patch))
 
 
+@register_export_loader(STATE_FILE)
 def load_condenser(model, directory: str | Path) -> MoEPatch:
     """Install condenser routing on ``model`` (loaded from an export) from the ``condenser.json`` saved there:
     its biases, its condensers (if chosen) and its routing options (bias_mode, budget, load)."""
-    from .registry import apply
-
     path = Path(directory) / STATE_FILE
     state = json.loads(path.read_text())
     forced = {int(i): layer["forced_experts"] for i, layer in state["layers"].items()}

@@ -34,6 +34,7 @@ from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits
 from ..moe.support import refuse_undefined
+from .registry import register_method
 
 
 def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ class _InactiveExperts(torch.autograd.Function):
 class DenseMixerMixture:
     """``MoEBlock.mixer`` of DenseMixer (the variants of the module docstring)."""
 
-    runs_inactive_experts = True  # refused under ZeRO-3 / FSDP (moe_lab.strategies), which shard the experts
+    runs_inactive_experts = True  # refused under ZeRO-3 / FSDP (moe_lab.runtime.strategies), which shard the experts
 
     def __init__(self, chunk_tokens: int, gradient: str = "straight_through", forward: str = "sparse"):
         self.chunk_tokens = chunk_tokens
@@ -151,6 +152,7 @@ class DenseMixerMixture:
         return out + extra
 
 
+@register_method("densemixer")
 def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradient: str = "straight_through",
                        forward: str = "sparse") -> None:
     """Install DenseMixer on every MoE layer.

@@ -27,8 +27,8 @@ from ..distill.teacher import load_teacher, weight_rule_name, widen_teacher
 from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
+from ..runtime.precision import check_mode
 from .base import MoELightningModule
-from .precision import check_mode
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +132,10 @@ def loss_scale(strategy, accumulate: int, world_size: int) -> float:
     strategy); DDP, FSDP and DeepSpeed average the gradients over the ``world_size`` data-parallel ranks. Under
     DeepSpeed with Lightning's own precision plugin, ``engine.backward`` divides by ``gradient_accumulation_steps``
     once more (runtime/engine.py ``backward``, ``scale_wrt_gas=True``); moe-lab's DeepSpeed strategies carry
-    ``moe_lab.strategies.AccumulateOnceDeepSpeedPrecision``, which turns that second division off."""
+    ``moe_lab.runtime.strategies.AccumulateOnceDeepSpeedPrecision``, which turns that second division off."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from ..strategies import AccumulateOnceDeepSpeedPrecision
+    from ..runtime.strategies import AccumulateOnceDeepSpeedPrecision
 
     c = int(accumulate) * int(world_size)
     if isinstance(strategy, DeepSpeedStrategy) and not isinstance(strategy._precision_plugin,

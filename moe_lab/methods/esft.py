@@ -39,6 +39,7 @@ from transformers.integrations.moe import _grouped_linear
 from ..moe.block import MoEBlock, split_router_output
 from ..moe.patch import MoEPatch
 from .compressed_experts import packed_layout
+from .registry import register_method
 
 SCORES = ("gate", "token")
 AVERAGES = ("sequence", "token")
@@ -239,6 +240,7 @@ def esft_select(scores: Mapping, p: float, score: str = "token", normalize: bool
 
 
 # installation ------------------------------------------------------------------------------------
+@register_method("esft")
 def install_esft(
     patch: MoEPatch,
     experts: Mapping | None = None,

@@ -37,7 +37,7 @@ CHECKPOINT_KEY = "moe_lab_esft"
 
 def _flattens_parameters(strategy) -> bool:
     """FSDP and DeepSpeed hold parameters as flat shards (no per-expert slices to score or to step)."""
-    from ..strategies import strategy_kind
+    from ..runtime.strategies import strategy_kind
 
     return strategy_kind(strategy).startswith(("fsdp", "deepspeed"))
 

@@ -28,12 +28,16 @@ from torch.nn.utils import parametrize
 
 from ..moe.block import SliceGradMask
 from ..moe.patch import MoEPatch
-from . import peft_export
-from .precision import export_in_load_dtype
+from ..runtime.precision import export_in_load_dtype
+from .registry import register_adapter
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
 # linear targets -> the MoEPatch.parameter_groups() group whose nn.Linear modules get adapters
 _LINEAR_TARGET_GROUPS = {"attention": "attention", "shared_experts": "shared_experts", "dense_mlp": "other"}
+#: export hooks ``(patch, export_dir)`` every LoRA patch gets: writers of the adapters beside the merged
+#: export. :mod:`moe_lab.methods.peft_export` adds its ``<export>/adapter/`` (PEFT) writer (``moe_lab.methods``
+#: imports it)
+ADAPTER_EXPORTS: list = []
 
 
 class PackedLoRA(nn.Module):
@@ -71,6 +75,7 @@ class LinearLoRA(nn.Module):
         return output + self.scale * ((x @ self.lora_A.t()) @ self.lora_B.t())
 
 
+@register_adapter("lora")
 def add_lora(
     patch: MoEPatch,
     base_parameters: set[int],
@@ -128,7 +133,8 @@ def add_lora(
     # frozen base tensors no longer train any slice: only the adapters' masks remain
     patch.expert_slice_masks = {k: (p, m) for k, (p, m) in patch.expert_slice_masks.items() if p.requires_grad}
     patch.export_state_dict = functools.partial(merged_state_dict, patch)
-    patch.export_hooks.append(functools.partial(peft_export.export_hook, patch))  # <export>/adapter/ (PEFT)
+    for export in ADAPTER_EXPORTS:
+        patch.export_hooks.append(functools.partial(export, patch))  # <export>/adapter/ (PEFT)
     export_in_load_dtype(patch)  # merged in fp32 above, then every tensor cast once to the load dtype
 
 
@@ -154,7 +160,7 @@ def _packed_merge(module: nn.Module, name: str) -> torch.Tensor:
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
     """The HF model's state dict with every adapter merged into its base weight (vanilla key names). Merged
     tensors are fp32 (``W + scale * B @ A`` from fp32 copies); the export casts them once to the load dtype
-    (:func:`~moe_lab.methods.precision.export_in_load_dtype`)."""
+    (:func:`~moe_lab.runtime.precision.export_in_load_dtype`)."""
     merged = {}
     for key, value in patch.model.state_dict().items():
         if ".lora." in key or "lora_A" in key or "lora_B" in key:

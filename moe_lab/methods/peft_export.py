@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .precision import in_load_dtype
+from ..runtime.precision import in_load_dtype
+from .lora import ADAPTER_EXPORTS, LinearLoRA, PackedLoRA
 
 ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ _PREFIX = "base_model.model."
 
 def _lora_parts(patch):
     """``({linear module name: LinearLoRA}, {"<module>.<param>": PackedLoRA}, [trained router module names])``."""
-    from .lora import LinearLoRA, PackedLoRA
-
     linear, packed = {}, {}
     for name, module in patch.model.named_modules():
         if isinstance(getattr(module, "lora", None), LinearLoRA):
@@ -181,3 +180,6 @@ def export_hook(patch, export_dir: str | Path) -> Path | None:
     except Exception as error:  # noqa: BLE001 - the merged checkpoint is the primary export
         log.warning("LoRA: no PEFT adapter written beside the export (%s: %s)", type(error).__name__, error)
         return None
+
+
+ADAPTER_EXPORTS.append(export_hook)  # every LoRA patch writes <export>/adapter/ beside its merged export

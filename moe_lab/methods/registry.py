@@ -10,23 +10,40 @@ from torch import nn
 
 from ..moe.block import MoEBlock
 from ..moe.patch import MoEPatch
-from .compressed_experts import CONFIG_FILE as COMPRESSED_EXPERTS_CONFIG
-from .compressed_experts import install_compressed_experts, load_compressed_experts
-from .condenser import STATE_FILE as CONDENSER_STATE
-from .condenser import install_condenser, load_condenser
-from .densemixer import install_densemixer
-from .esft import install_esft
-from .lora import add_lora
-from .sft import install_frozen_router, install_sft
 
-METHODS: dict[str, Callable] = {
-    "sft": install_sft,
-    "frozen_router": install_frozen_router,
-    "densemixer": install_densemixer,
-    "esft": install_esft,
-    "compressed_experts": install_compressed_experts,
-    "condenser": install_condenser,
-}
+#: method name -> installer ``(patch, **options)``; each method module registers its own
+#: (:func:`register_method`) and ``moe_lab.methods`` imports them all, so the registry imports none of them
+METHODS: dict[str, Callable] = {}
+#: adapter name -> ``(patch, base_parameters, **options)`` added on top of any method (``apply(lora={...})``)
+ADAPTERS: dict[str, Callable] = {}
+
+
+def _register(table: dict, key: str, what: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        if key in table and table[key] is not fn:
+            raise ValueError(f"{what} {key!r} is registered twice: {table[key].__module__} and "
+                             f"{fn.__module__}")
+        table[key] = fn
+        return fn
+
+    return register
+
+
+def register_method(name: str) -> Callable[[Callable], Callable]:
+    """``@register_method("sft")`` on an installer: ``apply(model, "sft", **options)`` calls it."""
+    return _register(METHODS, name, "method")
+
+
+def register_adapter(name: str) -> Callable[[Callable], Callable]:
+    """``@register_adapter("lora")`` on an adapter: ``apply(model, method, lora={...})`` adds it."""
+    return _register(ADAPTERS, name, "adapter")
+
+
+def register_export_loader(filename: str) -> Callable[[Callable], Callable]:
+    """``@register_export_loader(STATE_FILE)`` on a loader ``(model, directory) -> MoEPatch``: an export
+    holding ``filename`` gets its method re-installed by :func:`install_exported_routing`."""
+    return _register(EXPORT_LOADERS, filename, "export loader")
+
 
 # Hydra method names (conf/method/<name>.yaml) that train any causal LM, dense or MoE: models.load_model loads a
 # dense model (a model_type outside moe/registry.py's families, e.g. a to_dense export) only for these
@@ -34,10 +51,7 @@ DENSE_METHODS: tuple[str, ...] = ("kd",)
 
 
 # files a method writes beside an export -> the loader that re-installs that method on the vanilla model
-EXPORT_LOADERS: dict[str, Callable] = {
-    CONDENSER_STATE: load_condenser,
-    COMPRESSED_EXPERTS_CONFIG: load_compressed_experts,
-}
+EXPORT_LOADERS: dict[str, Callable] = {}  # filled by register_export_loader
 
 
 def install_exported_routing(model: nn.Module, directory: str | Path) -> MoEPatch | None:
@@ -75,6 +89,7 @@ def apply(model: nn.Module, method: str = "sft", lora: dict | None = None, **opt
     patch = MoEPatch(model, method=method)
     installer(patch, **options)
     if lora:
+        add_lora = ADAPTERS["lora"]
         accepted = set(inspect.signature(add_lora).parameters) - {"patch", "base_parameters"}
         bad = sorted(set(lora) - accepted)
         if bad:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import explain_write_failure, publish_tree
+from ..runtime.atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers

@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.activation import count_selections, distribution_figure, heatmap_figure, layer_stats
 from ..analysis.report import log_images, markdown_table, write_csv
-from ..atomic import atomic_write_json, atomic_write_text
 from ..methods.registry import EXPORT_LOADERS
+from ..runtime.atomic import atomic_write_json, atomic_write_text
 
 PLAIN = "family top-k"
 
@@ -65,7 +65,7 @@ def _installed(cfg: DictConfig, export: Path | None):
 
 def _count_run(cfg: DictConfig, export: Path | None) -> tuple[dict[int, torch.Tensor], int, str]:
     """({layer: counts}, real tokens, routing) of one model counted on ``task.dataset``."""
-    from .calibrate import calibration_sequences
+    from ..compress.calibrate_run import calibration_sequences
 
     patch, tokenizer, routing = _installed(cfg, export)
     batches, _ = calibration_sequences(cfg.task.dataset, tokenizer, cfg.task.calibration)

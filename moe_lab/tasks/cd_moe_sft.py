@@ -18,17 +18,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..atomic import atomic_write_json
+from ..compress.calibrate_run import calibrate_task
+from ..compress.condense_run import condense_task
+from ..eval.lm_eval_table import results_table, task_source
 from ..plain import to_plain
-from .calibrate import calibrate_task
-from .condense import condense_task
-from .finetune import finetune
-from .stage import stage_config
+from ..runtime.atomic import atomic_write_json
+from ..runtime.stage import stage_config
+from ..runtime.training import finetune
 
-# lm-eval task -> (results column, metric): acc_norm where lm-eval has it, acc otherwise (spec A4-6)
-COLUMNS = {"arc_challenge": ("ARC-C", "acc_norm"), "boolq": ("BoolQ", "acc"), "hellaswag": ("HellaSwag", "acc_norm"),
-           "mmlu": ("MMLU", "acc"), "openbookqa": ("OBQA", "acc_norm"), "piqa": ("PIQA", "acc_norm"),
-           "rte": ("RTE", "acc"), "winogrande": ("WinoGrande", "acc")}
 STAGE_KEYS = ("train/loss", "global_step", "resumed_from_step", "wall_time_s", "export")
 
 
@@ -78,29 +75,6 @@ def _condensed_summary(summary: dict) -> dict:
 def _finished(stage: Path) -> bool:
     """A stage directory whose run completed: its summary.json and a condensed export exist."""
     return (stage / "summary.json").is_file() and (stage / "export" / "condense_manifest.json").is_file()
-
-
-def results_table(metrics: dict, tasks: list[str], model: str, method: str):
-    """:class:`ResultsTable` (percent) of lm-eval metrics ``{task: {metric: value}}``; one column per task."""
-    from ..eval.results import ResultsTable
-
-    table = ResultsTable()
-    for task in tasks:
-        title, metric = COLUMNS.get(task, (task, "acc_norm" if "acc_norm" in metrics.get(task, {}) else "acc"))
-        value = metrics.get(task, {}).get(metric)
-        table.add(model, method, title, None if value is None else 100 * value)
-    return table
-
-
-def task_source(tasks: list[str]) -> str:
-    """Where lm-eval ``tasks`` come from, for the summary (experiments.collect compares averages of one source
-    only): ``hub`` (lm-eval's own tasks), ``llm_adapters`` (moe-lab's ``llm_adapters_*`` over the local files)
-    or ``mixed``."""
-    from ..eval.lm_eval_bridge import check_task_names
-
-    tasks = set(tasks)
-    local = set(check_task_names(sorted(tasks), hub_tasks=True))
-    return "hub" if not local else "llm_adapters" if local == tasks else "mixed"
 
 
 def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:

@@ -30,9 +30,9 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ..atomic import atomic_write_json, atomic_write_text
 from ..methods.condenser import STATE_FILE
-from .finetune import finetune
+from ..runtime.atomic import atomic_write_json, atomic_write_text
+from ..runtime.training import finetune
 
 INITS = ("original", "phase1")
 

@@ -13,7 +13,6 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from ..analysis.report import save_figure
-from ..atomic import atomic_write_json
 from ..compress.calibration import Calibration
 from ..compress.diagnostics import (
     LABELS,
@@ -24,6 +23,7 @@ from ..compress.diagnostics import (
     selection_overlap,
     write_table,
 )
+from ..runtime.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -20,16 +20,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..atomic import atomic_write_json, atomic_write_text
+from ..compress.calibrate_run import calibrate_task
 from ..compress.dense import export_compressed
-from ..compress.sweep import ppl_point
+from ..compress.run import compress, student_ppl
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..plain import to_plain
-from .calibrate import calibrate_task
-from .compress import compress, eval_ids
-from .finetune import finetune
-from .stage import stage_config
+from ..runtime.atomic import atomic_write_json, atomic_write_text
+from ..runtime.stage import stage_config
+from ..runtime.training import finetune
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,6 @@ def reinitialise(student, names: list[str], init: str, seed: int) -> None:
             if getattr(item, "_is_hf_initialized", False):
                 item._is_hf_initialized = False
         student._init_weights(module)
-
-
-def student_ppl(model, tokenizer, c: DictConfig) -> dict:
-    """``ppl_point`` of ``model`` on ``compress.eval`` (``c``), at the settings task=compress measures with."""
-    kw = {"max_length": min(int(c.eval.max_length), int(model.config.max_position_embeddings)),
-          "stride": int(c.eval.stride), "batch_size": int(c.eval.batch_size)}
-    kw["stride"] = min(kw["stride"], kw["max_length"])
-    return ppl_point(model.eval(), tokenizer, eval_ids(c.eval, tokenizer), **kw)
 
 
 def baseline_student(cfg: DictConfig, converted: Path, out: Path) -> tuple[Path, dict]:

@@ -13,10 +13,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import moe_lab
+from moe_lab.compress.calibrate_run import calibration_sequences
 from moe_lab.methods.registry import install_exported_routing
 from moe_lab.models import load_model
 from moe_lab.tasks import run_task
-from moe_lab.tasks.calibrate import calibration_sequences
 from tests.conftest import ROOT, build_tiny
 
 FORCED = {0: [3], 2: [6]}  # tiny_qwen2_moe: MoE layers 0 and 2 (layer 1 is dense), 8 experts, top-2

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from moe_lab.compress.calibration import calibrate
 from moe_lab.eval import generation
 from moe_lab.models import load_model
+from moe_lab.runtime.stop_signal import Interrupted
 from moe_lab.tasks import expert_removal, run_task
-from moe_lab.tasks.stop_signal import Interrupted
 from tests.conftest import ROOT, SHARED_DATA, random_batch, tiny_model_cfg
 
 

@@ -7,8 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe_lab.compress import calibrate
+from moe_lab.compress.calibrate_run import calibration_sequences
 from moe_lab.data.tokenizer import load_tokenizer
-from moe_lab.tasks.calibrate import calibration_sequences
 from tests.conftest import build_tiny
 
 

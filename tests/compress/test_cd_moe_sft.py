@@ -156,7 +156,7 @@ def test_chain_refuses_other_methods_and_trims(tmp_path):
 
 def test_results_table_uses_acc_norm_where_the_spec_says():
     """A4-6: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for BoolQ, MMLU, RTE, WinoGrande; percent; Avg. of 8."""
-    from moe_lab.tasks.cd_moe_sft import results_table
+    from moe_lab.eval.lm_eval_table import results_table
 
     tasks = ["arc_challenge", "boolq", "hellaswag", "mmlu", "openbookqa", "piqa", "rte", "winogrande"]
     metrics = {t: {"acc": 0.01 * (i + 1), "acc_norm": 0.1 * (i + 1)} for i, t in enumerate(tasks)}

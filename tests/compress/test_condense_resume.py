@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from moe_lab.compress import condense_search
+from moe_lab.runtime.stop_signal import Interrupted
 from moe_lab.tasks import run_task
-from moe_lab.tasks.stop_signal import Interrupted
 from tests.compress.test_sweep_resume import _signal_after
 from tests.conftest import ROOT, word_text
 
@@ -53,7 +53,7 @@ def _comparable(summary: dict) -> dict:
 
 # (signal, saved steps when it arrives, expert searches and layer losses the re-run computes): uninterrupted, 3
 # expert searches and 8 losses (greedy layer steps of 3 and 2 candidates, then 3 single-layer losses). SIGTERM
-# through run.py (rc, the printed line): tests/test_signal_matrix.py
+# through run.py (rc, the printed line): tests/runtime/test_signal_matrix.py
 @pytest.mark.parametrize("signum,at,searches,losses_left", [(signal.SIGUSR1, 4, 0, 5)], ids=["in-layer-search"])
 def test_signalled_condense_search_resumes_to_the_uninterrupted_result(setup, tmp_path, monkeypatch, capsys, signum,
                                                                        at, searches, losses_left):

@@ -119,9 +119,9 @@ def _cfg(tmp_path, *overrides):
 
 @pytest.mark.parametrize("mode", ["single", "best_ppl", "grid", "prune"])
 def test_task_compress(mode, tmp_path):
+    from moe_lab.compress.run import compress, eval_ids
     from moe_lab.models import load_model
     from moe_lab.tasks import TASKS
-    from moe_lab.tasks.compress import compress, eval_ids
 
     assert "compress" in TASKS
 

@@ -13,8 +13,8 @@ import torch
 
 from moe_lab.compress import calibrate, sweep
 from moe_lab.compress.point_log import PointLog
-from moe_lab.tasks.compress import compress
-from moe_lab.tasks.stop_signal import Interrupted
+from moe_lab.compress.run import compress
+from moe_lab.runtime.stop_signal import Interrupted
 from tests.compress.test_sweep import _cfg
 from tests.conftest import random_batch
 

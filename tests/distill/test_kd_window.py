@@ -113,7 +113,7 @@ def test_decision_and_factor_per_strategy():
     zero2.config["gradient_accumulation_steps"] = 3  # what Lightning writes at setup
     assert loss_scale(zero2, 3, 4) == 36.0
     # moe-lab's DeepSpeed strategies (build_strategy) turn DeepSpeed's second division off
-    from moe_lab.strategies import build_strategy
+    from moe_lab.runtime.strategies import build_strategy
 
     ours = build_strategy({"strategy": {"_target_": "lightning.pytorch.strategies.DeepSpeedStrategy", "stage": 3},
                            "accelerator": "cpu", "devices": 1, "precision": "bf16-mixed"})

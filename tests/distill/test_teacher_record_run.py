@@ -20,8 +20,8 @@ from omegaconf import OmegaConf, open_dict
 from moe_lab.data.packing import model_inputs, real_token_mask
 from moe_lab.distill import kd_loss
 from moe_lab.distill.teacher import load_teacher
+from moe_lab.runtime.checkpoint_io import marker_path
 from moe_lab.tasks import run_task
-from moe_lab.tasks.checkpoint_io import marker_path
 from tests.conftest import ROOT, tiny_model_cfg, word_text
 
 # 10 train blocks of 16 tokens, batches of 2: 5 batches an epoch; accumulation 2: steps (b0 b1) (b2 b3) (b4)

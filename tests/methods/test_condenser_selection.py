@@ -157,7 +157,7 @@ def test_default_condenser_under_deepspeed_zero3_runs_the_paper_protocol():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from moe_lab.strategies import build_strategy, prepare, strategy_kind
+    from moe_lab.runtime.strategies import build_strategy, prepare, strategy_kind
     from tests.conftest import ROOT
 
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):

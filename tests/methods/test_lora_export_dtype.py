@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.methods.lora import LinearLoRA
-from moe_lab.methods.precision import export_in_load_dtype
 from moe_lab.models import load_model
+from moe_lab.runtime.precision import export_in_load_dtype
 from tests.conftest import hf_fp32_names, random_batch, tiny_model_cfg
 
 

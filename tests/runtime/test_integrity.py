@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from moe_lab.tasks.checkpoint_io import (
+from moe_lab.runtime.checkpoint_io import (
     MARKER,
     AtomicCheckpointIO,
     check_resumable,
@@ -21,7 +21,7 @@ from moe_lab.tasks.checkpoint_io import (
     marker_path,
     read_checkpoint,
 )
-from tests.test_checkpoints import _Linear
+from tests.runtime.test_checkpoints import _Linear
 
 
 def _fit(tmp_path, keep_last=2, max_steps=4):
@@ -149,12 +149,12 @@ def test_checkpoints_and_markers_follow_the_umask(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_path, caplog):
-    from moe_lab.tasks.checkpoint_io import remove_stale_temporaries
+    from moe_lab.runtime.checkpoint_io import remove_stale_temporaries
 
     (tmp_path / ".last.ckpt.k2j3.tmp").write_bytes(b"half")
     (tmp_path / f".last.ckpt.{MARKER}.tmp").write_text("{")
     (tmp_path / "keep.tmp").write_text("not ours")
-    with caplog.at_level(logging.INFO, logger="moe_lab.tasks.checkpoint_io"):
+    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.checkpoint_io"):
         remove_stale_temporaries(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp"]
     [line] = [r.getMessage() for r in caplog.records]
@@ -163,7 +163,7 @@ def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_p
 
 def test_deepspeed_directory_is_verified_file_by_file(tmp_path):
     """A DeepSpeed checkpoint directory: one digest per file (rank files included); one changed file is named."""
-    from moe_lab.tasks.checkpoint_io import content_digests
+    from moe_lab.runtime.checkpoint_io import content_digests
 
     ckpt = tmp_path / "step-2.ckpt"
     (ckpt / "global_step2").mkdir(parents=True)

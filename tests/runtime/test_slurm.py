@@ -204,7 +204,7 @@ def test_usr1_checkpoints_and_the_requeued_job_continues_the_same_run(cluster, t
 
 def test_signal_handover_only_inside_a_submitit_slurm_job(monkeypatch):
     """Outside a submitit SLURM job nothing is handed over (a Ctrl-C'd local run must not call scontrol)."""
-    from moe_lab import slurm
+    from moe_lab.runtime import slurm
 
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     before = signal.getsignal(signal.SIGUSR1)
@@ -217,7 +217,7 @@ def test_signal_handover_only_inside_a_submitit_slurm_job(monkeypatch):
     (1, "cpu", 1, None), (2, "cpu", 2, None), (4, "gpu", 4, 4), ("2", "cuda", 2, 2), ([0, 1, 3], "gpu", 3, 3),
 ])
 def test_launcher_tasks_and_gpus_follow_the_trainer(devices, accelerator, tasks, gpus):
-    from moe_lab import slurm
+    from moe_lab.runtime import slurm
 
     cfg = OmegaConf.create({"hardware": {"trainer": {"accelerator": accelerator, "devices": devices}},
                             "t": "${moe_lab.slurm_tasks:${hardware.trainer.devices}}",
@@ -227,14 +227,14 @@ def test_launcher_tasks_and_gpus_follow_the_trainer(devices, accelerator, tasks,
 
 
 def test_devices_auto_is_refused_naming_the_field():
-    from moe_lab.slurm import _tasks
+    from moe_lab.runtime.slurm import _tasks
 
     with pytest.raises(ValueError, match=r"hardware.trainer.devices='auto'.*hardware.trainer.devices=<n>"):
         _tasks("auto")
 
 
 def test_only_a_requeued_slurm_job_with_a_checkpoint_resumes(monkeypatch, tmp_path):
-    from moe_lab.slurm import resume_requeued
+    from moe_lab.runtime.slurm import resume_requeued
 
     def cfg(**task):
         return OmegaConf.create({"paths": {"output_dir": str(tmp_path)}, "task": {"resume": None, "ckpt_path": None,
@@ -258,7 +258,7 @@ def test_only_a_requeued_slurm_job_with_a_checkpoint_resumes(monkeypatch, tmp_pa
 def test_trainer_gets_slurm_environment_without_lightning_requeue_inside_a_job(monkeypatch):
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from moe_lab.slurm import cluster_plugins
+    from moe_lab.runtime.slurm import cluster_plugins
 
     for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(var, raising=False)

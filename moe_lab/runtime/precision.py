@@ -121,6 +121,23 @@ def hf_fp32_pattern(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
     return build_glob_alternation(list(plan))[0]
 
 
+def keep_hf_fp32(model, dtype: torch.dtype) -> None:
+    """The parameters and buffers ``from_pretrained(dtype=dtype)`` keeps in fp32 (:func:`hf_fp32_pattern`:
+    DeepSeek-V3's routing correction bias; from transformers 5.24 the DeepSeek-V2/V3 router weights) back to fp32 in
+    a model built with ``from_config(dtype=dtype)``, which honours only what the module code creates in fp32."""
+    keep = hf_fp32_pattern(model, dtype)
+    if keep is None:
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32 and keep.search(name):
+                param.data = param.data.float()
+        for name, buf in list(model.named_buffers()):
+            if buf.is_floating_point() and buf.dtype != torch.float32 and keep.search(name):
+                owner, _, key = name.rpartition(".")
+                model.get_submodule(owner)._buffers[key] = buf.float()
+
+
 def in_load_dtype(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every floating tensor cast once to :func:`load_dtype`, except those HF itself keeps in
     fp32 for that dtype (:func:`hf_fp32_pattern`: DeepSeek-V3's routing correction bias, from transformers 5.24

@@ -39,14 +39,14 @@ def test_larger_max_steps_continues_a_finished_run_exactly(tmp_path, caplog, max
     straight = _run(tmp_path / "straight", "task.trainer.max_steps=6", epochs)
     first = _run(tmp_path / "run", "task.trainer.max_steps=3", epochs)
     assert first["global_step"] == 3 and straight["global_step"] == 6
-    with caplog.at_level(logging.WARNING, logger="moe_lab.tasks.resume"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.resume"):
         extended = _run(tmp_path / "run", "task.trainer.max_steps=6", epochs, f"task.resume={tmp_path / 'run'}")
     assert (extended["resumed_from_step"], extended["global_step"]) == (3, 6)
     assert not [r for r in caplog.records if "nothing is trained" in r.getMessage()]
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "run")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # a resume at the end of the run trains nothing, and says so (the warning names the fix)
-    with caplog.at_level(logging.WARNING, logger="moe_lab.tasks.resume"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.resume"):
         again = _run(tmp_path / "run", "task.trainer.max_steps=6", epochs, f"task.resume={tmp_path / 'run'}")
     assert (again["resumed_from_step"], again["global_step"]) == (6, 6)
     [record] = [r for r in caplog.records if "nothing is trained" in r.getMessage()]

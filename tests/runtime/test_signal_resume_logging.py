@@ -3,7 +3,7 @@ run logs: every ``train/loss`` step 0..N-1 and every ``val/loss`` step of the va
 ends with the same weights.
 
 Oracle: the uninterrupted run's own metrics.csv and weights. The resumed run's metrics.csv is put together as
-task=finetune does (:class:`moe_lab.tasks.resume.History` carries the rows logged before the checkpoint step).
+task=finetune does (:class:`moe_lab.runtime.resume.History` carries the rows logged before the checkpoint step).
 Signals come at the moments that used to lose something: during the optimizer step a validation follows, inside
 a validation, in the first micro-batch of a gradient-accumulation window, and (DDP) on one rank only.
 """
@@ -25,8 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moe_lab.data.resumable import ResumableDataLoader
 from moe_lab.methods.base import MoELightningModule
-from moe_lab.tasks.checkpoint_io import CheckpointOnSignal
-from moe_lab.tasks.resume import History
+from moe_lab.runtime.checkpoint_io import CheckpointOnSignal
+from moe_lab.runtime.resume import History
 from tests.callbacks.conftest import random_batches
 from tests.conftest import ROOT, build_tiny
 
@@ -140,7 +140,7 @@ def test_ddp_signal_on_one_rank_inside_validation(tmp_path):
     stop at the same step, and the resumed run's metrics.csv and final weights equal the uninterrupted run's."""
     straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
     assert _run_py(straight) == 0
-    signal_rank1 = ["+callbacks.sig._target_=tests.test_signal_resume_logging._Signal", "+callbacks.sig.hook=val",
+    signal_rank1 = ["+callbacks.sig._target_=tests.runtime.test_signal_resume_logging._Signal", "+callbacks.sig.hook=val",
                     "+callbacks.sig.step=3", "+callbacks.sig.rank=1"]
     assert _run_py(first, *signal_rank1) == 128 + signal.SIGUSR1
     assert torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4

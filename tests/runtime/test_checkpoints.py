@@ -17,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moe_lab.tasks.checkpoint_io import (
+from moe_lab.runtime.checkpoint_io import (
     MARKER,
     check_resumable,
     checkpoint_callback,
@@ -92,7 +92,7 @@ def test_checkpoint_of_another_strategy_is_refused_with_the_conversion_command(t
         check_resumable(zero3, "task.resume", "ddp")
     msg = str(err.value)
     assert "written under deepspeed_zero3; this run uses ddp" in msg
-    assert f"python -m moe_lab.tasks.checkpoint_io convert {zero3} <export dir>" in msg
+    assert f"python -m moe_lab.runtime.checkpoint_io convert {zero3} <export dir>" in msg
     with pytest.raises(ValueError, match="resume with hardware=deepspeed_zero3"):
         check_resumable(zero3, "task.resume", "deepspeed_zero2")
     plain = tmp_path / "plain.ckpt"
@@ -178,7 +178,7 @@ with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage 
     torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, f"{run}/oracle.pt")
 from types import SimpleNamespace
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from moe_lab.strategies import gather_full_weights
+from moe_lab.runtime.strategies import gather_full_weights
 gather_full_weights(SimpleNamespace(strategy=DeepSpeedStrategy(stage=stage), is_global_zero=True), module)
 torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, f"{run}/gathered.pt")
 '''
@@ -210,7 +210,7 @@ def test_real_zero_checkpoint_converts_to_a_vanilla_hf_export(tmp_path, stage, m
     state = read_checkpoint(ckpt)
     assert state["global_step"] == 1
     assert {k: tuple(v.shape) for k, v in state["state_dict"].items()} == {k: tuple(v.shape) for k, v in oracle.items()}
-    proc = subprocess.run([sys.executable, "-m", "moe_lab.tasks.checkpoint_io", "convert", str(ckpt),
+    proc = subprocess.run([sys.executable, "-m", "moe_lab.runtime.checkpoint_io", "convert", str(ckpt),
                            str(tmp_path / "export")], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -232,7 +232,7 @@ def test_convert_refuses_a_file_checkpoint(tmp_path):
 def test_resume_by_run_dir_finds_a_deepspeed_checkpoint_directory(tmp_path):
     from omegaconf import OmegaConf
 
-    from moe_lab.tasks.resume import resume_checkpoint
+    from moe_lab.runtime.resume import resume_checkpoint
 
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     (ckpt / "checkpoint").mkdir(parents=True)  # DeepSpeed writes last.ckpt as a directory

@@ -18,7 +18,7 @@ import torch
 import moe_lab
 from moe_lab.moe.block import MoEBlock
 from moe_lab.moe.registry import family_spec, supported_families
-from moe_lab.strategies import set_z3_leaf_modules, z3_leaf_classes
+from moe_lab.runtime.strategies import set_z3_leaf_modules, z3_leaf_classes
 from tests.conftest import build_tiny, random_batch
 
 

@@ -43,9 +43,9 @@ pytestmark = pytest.mark.slow
 #: what a run would import (wandb, deepspeed through accelerate, the model class), imported once by the server
 PRELOAD = ("torch", "lightning", "transformers", "datasets", "hydra", "matplotlib", "matplotlib.pyplot", "pandas",
            "safetensors", "wandb", "accelerate", "deepspeed", "transformers.models.olmoe.modeling_olmoe",
-           "moe_lab.tasks", "moe_lab.tasks.finetune", "moe_lab.methods.distill", "moe_lab.compress.calibration",
-           "moe_lab.tasks.compress", "moe_lab.tasks.condense", "moe_lab.tasks.evaluate",
-           "moe_lab.tasks.teacher_logits", "moe_lab.tasks.calibrate")
+           "moe_lab.tasks", "moe_lab.runtime.training", "moe_lab.methods.distill", "moe_lab.compress.calibration",
+           "moe_lab.compress.run", "moe_lab.compress.condense_run", "moe_lab.eval.run",
+           "moe_lab.tasks.teacher_logits", "moe_lab.compress.calibrate_run")
 
 
 # the forked child ------------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class Runner:
 
     def __init__(self):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, "-c", "from tests.test_signal_matrix import serve; serve()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "from tests.runtime.test_signal_matrix import serve; serve()"],
                                      cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert json.loads(self.proc.stdout.readline()) == {"ready": True}
         self.times: list[tuple[str, float, float]] = []
@@ -319,7 +319,7 @@ CASES = {
                            check_interrupted=_no_record),
     "evaluate": Case(lambda s: ["task=evaluate", "eval=math7", "eval.datasets=[singleeq,addsub]", "eval.limit=4",
                                 "eval.batch_size=2", "eval.generation.max_new_tokens=8"],
-                     ("moe_lab.tasks.evaluate:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions,
+                     ("moe_lab.eval.run:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions,
                      resumed="addsub: 2 of 4 rows already predicted"),
 }
 

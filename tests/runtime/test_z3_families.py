@@ -25,7 +25,7 @@ import torch
 
 import moe_lab
 from moe_lab.moe.registry import supported_families
-from moe_lab.strategies import set_z3_leaf_modules
+from moe_lab.runtime.strategies import set_z3_leaf_modules
 from tests.conftest import build_tiny, random_batch
 
 pytestmark = pytest.mark.slow

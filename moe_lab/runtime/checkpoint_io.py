@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..atomic import explain_write_failure, umask_mode
+from .atomic import explain_write_failure, umask_mode
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class CheckpointOnSignal(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.saved is not None or trainer.fit_loop._should_accumulate():
-            return  # only where an optimizer step just ended (as moe_lab.strategies.optimizer_stepped)
+            return  # only where an optimizer step just ended (as moe_lab.runtime.strategies.optimizer_stepped)
         signum = self._agreed_signal(trainer)
         if signum is not None:
             self.signum = self.signum or signum
@@ -206,7 +206,7 @@ class CheckpointOnSignal(Callback):
 
 # ---- COMPLETED markers, keep-last-N, cross-strategy resume, ZeRO -> HF conversion ----------------------------
 MARKER = "COMPLETED"
-CONVERT = "python -m moe_lab.tasks.checkpoint_io convert"
+CONVERT = "python -m moe_lab.runtime.checkpoint_io convert"
 
 
 def marker_path(ckpt: str | Path) -> Path:
@@ -220,7 +220,7 @@ def mark_completed(trainer, ckpt: str | Path) -> None:
     (``Trainer.save_checkpoint`` ends with a barrier)."""
     import json
 
-    from ..strategies import strategy_kind
+    from .strategies import strategy_kind
 
     if not trainer.is_global_zero:
         return
@@ -371,7 +371,7 @@ def _family(kind: str) -> str:
 
 def check_resumable(path: str | Path, field: str, strategy: str) -> None:
     """Refuse to resume ``path`` when it has no COMPLETED marker (half-written) or was written under a strategy
-    whose checkpoint ``strategy`` (:func:`moe_lab.strategies.config_strategy_kind`) cannot load."""
+    whose checkpoint ``strategy`` (:func:`moe_lab.runtime.strategies.config_strategy_kind`) cannot load."""
     import json
 
     path = Path(path)
@@ -420,8 +420,8 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from hydra.utils import get_class, instantiate
 
-    from ..methods.precision import export_in_load_dtype
     from ..models import load_model
+    from .precision import export_in_load_dtype
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "latest").is_file():
@@ -444,10 +444,10 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m moe_lab.tasks.checkpoint_io convert <zero checkpoint dir> <export dir> [--run-dir DIR]``."""
+    """``python -m moe_lab.runtime.checkpoint_io convert <zero checkpoint dir> <export dir> [--run-dir DIR]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m moe_lab.tasks.checkpoint_io")
+    parser = argparse.ArgumentParser(prog="python -m moe_lab.runtime.checkpoint_io")
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="DeepSpeed ZeRO checkpoint directory -> vanilla HF export")
     convert.add_argument("checkpoint")

@@ -1,5 +1,5 @@
-"""``plan=true`` (moe_lab/tasks/plan.py), the epoch-based preflight and the memory preflight
-(moe_lab/tasks/memory_fit.py).
+"""``plan=true`` (moe_lab/runtime/plan.py), the epoch-based preflight and the memory preflight
+(moe_lab/runtime/memory_fit.py).
 
 Oracles: Lightning's own loop (optimizer steps of a real ``Trainer.fit``), torch's DistributedSampler (rows per
 rank), hand-computed schedule values, and the tiny-sibling run of a preset (its global step and data counts are
@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import run
 from moe_lab.data.resumable import ResumableSampler
-from moe_lab.tasks import memory_fit
-from moe_lab.tasks.plan import optimizer_steps, schedule_points
-from moe_lab.tasks.preflight import check_length, preflight
+from moe_lab.runtime import memory_fit
+from moe_lab.runtime.plan import optimizer_steps, schedule_points
+from moe_lab.runtime.preflight import check_length, preflight
 from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
 
 #: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE
@@ -128,20 +128,21 @@ def h100(monkeypatch):
 
 
 def _forbid_loading(monkeypatch):
-    """``load_model`` fails the test wherever it is called from: every task module is imported first and its own
-    name patched too (a module first imported while ``moe_lab.models.load_model`` is patched would otherwise keep
-    the patch after the test, and fail the later tests of the same process)."""
+    """``load_model`` fails the test wherever it is called from: every moe_lab module (the tasks and the
+    library runs behind them) is imported first and its own name patched too (a module first imported while
+    ``moe_lab.models.load_model`` is patched would otherwise keep the patch after the test, and fail the later
+    tests of the same process)."""
     import importlib
     import pkgutil
 
+    import moe_lab
     import moe_lab.models
-    import moe_lab.tasks
 
     def fail(*args, **kwargs):
         pytest.fail("weights loaded")
 
-    modules = [importlib.import_module(f"moe_lab.tasks.{info.name}")
-               for info in pkgutil.iter_modules(moe_lab.tasks.__path__)]  # imported before anything is patched
+    modules = [importlib.import_module(info.name)  # imported before anything is patched
+               for info in pkgutil.walk_packages(moe_lab.__path__, "moe_lab.")]
     monkeypatch.setattr(moe_lab.models, "load_model", fail)
     for module in modules:
         if hasattr(module, "load_model"):

@@ -9,7 +9,9 @@ import sys
 import threading
 from typing import Self
 
-from .finetune import RunInterrupted
+
+class RunInterrupted(SystemExit):
+    """Training stopped on a signal after writing a checkpoint; the exit status is 128 + the signal number."""
 
 
 class Interrupted(RunInterrupted):
@@ -29,7 +31,7 @@ class StopOnSignal:
         self.what, self.signum, self._previous = what, None, {}
 
     def __enter__(self) -> Self:
-        from .. import slurm
+        from . import slurm
 
         self._requeue = slurm.SubmititRequeue()  # finds submitit's handler before ours replaces it
         if threading.current_thread() is threading.main_thread():

@@ -9,14 +9,14 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..strategies import config_strategy_kind
+from .strategies import config_strategy_kind
 
 log = logging.getLogger(__name__)
 
 #: estimate strategy -> the hardware setting that runs it (ddp on one GPU: hardware=gpu)
 HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
             "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp"}
-#: strategies a method is refused under (moe_lab.strategies: DenseMixer under sharded parameters, LoRA on FSDP;
+#: strategies a method is refused under (moe_lab.runtime.strategies: DenseMixer under sharded parameters, LoRA on FSDP;
 #: moe_lab.methods.esft_module: ESFT under any flat-sharding strategy)
 REFUSED = {"densemixer": ("zero3", "zero3_offload", "fsdp"), "esft": ("zero2", "zero3", "zero3_offload", "fsdp"),
            "lora": ("fsdp",)}

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from omegaconf import OmegaConf
 
 from moe_lab.methods.base import MoELightningModule
-from moe_lab.strategies import (
+from moe_lab.runtime.strategies import (
     AccumulateOnceDeepSpeedPrecision,
     KeepFp32Buffers,
     build_strategy,
@@ -28,7 +28,7 @@ from moe_lab.strategies import (
 )
 from tests.conftest import build_tiny, random_batch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -182,7 +182,7 @@ def test_forward_only_passes_go_through_the_fsdp_root():
 
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from moe_lab.strategies import model_forward
+    from moe_lab.runtime.strategies import model_forward
 
     pl_module = SimpleNamespace(model=torch.nn.Linear(2, 2))
     fsdp, root = FSDPStrategy(), torch.nn.Identity()
@@ -250,7 +250,7 @@ def test_devices_above_what_the_machine_has_are_named():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
 def test_finetune_build_trainer_refuses_gpu_hardware_on_cpu(tmp_path):
-    from moe_lab.tasks.finetune import build_trainer
+    from moe_lab.runtime.trainer import build_trainer
 
     cfg = _compose("hardware=deepspeed_zero3", "hardware.trainer.devices=4")
     with pytest.raises(ValueError, match=r"trainer.devices=4 \(trainer.accelerator=gpu\): this machine has 0"):
@@ -319,7 +319,7 @@ def test_real_sharded_run(hardware, tmp_path):
     ckpt = out / "checkpoints" / "last.ckpt"
     assert (ckpt / "COMPLETED").is_file() if ckpt.is_dir() else (out / "checkpoints" / "last.ckpt.COMPLETED").is_file()
     if hardware.startswith("deepspeed"):
-        from moe_lab.tasks.checkpoint_io import convert_zero_checkpoint
+        from moe_lab.runtime.checkpoint_io import convert_zero_checkpoint
 
         convert_zero_checkpoint(ckpt, tmp_path / "converted")
         AutoModelForCausalLM.from_pretrained(tmp_path / "converted")

@@ -18,8 +18,8 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ..atomic import atomic_write_json
 from ..methods.schedules import lr_multiplier, warmup_steps_for
+from .atomic import atomic_write_json
 from .memory_fit import ASSUMED_GPU_GB, device_memory_gb, fitting, memory_estimate, node_gpus, world_size
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def check_method(cfg: DictConfig) -> str:
 
     from ..analysis.estimate import architecture_config
     from ..analysis.meta_costs import meta_model, quiet_init
-    from ..strategies import config_strategy_kind, refuse_unsupported
+    from .strategies import config_strategy_kind, refuse_unsupported
 
     if cfg.task.name != "finetune":
         return f"method built by task={cfg.task.name} itself: not checked here"

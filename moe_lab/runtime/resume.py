@@ -324,7 +324,7 @@ def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str,
 def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
     """A plain ``task=finetune`` (no ``task.resume`` / ``task.ckpt_path``) into a run directory that holds a
     complete checkpoint would start again from step 0 over that run's checkpoints and metrics: refused, naming
-    ``task.resume``. (A requeued SLURM job continues it by itself: ``moe_lab.slurm.resume_requeued``.)"""
+    ``task.resume``. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
     import json
 
     from .checkpoint_io import marker_path

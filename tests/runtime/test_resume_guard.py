@@ -17,10 +17,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moe_lab.tasks.checkpoint_io import CheckpointOnSignal, content_digests, marker_path, read_checkpoint
-from moe_lab.tasks.resume import resume_checkpoint
-from moe_lab.tasks.run_lock import LOCK_FILE, RunLock
-from tests.test_resume_extend import _run
+from moe_lab.runtime.checkpoint_io import CheckpointOnSignal, content_digests, marker_path, read_checkpoint
+from moe_lab.runtime.resume import resume_checkpoint
+from moe_lab.runtime.run_lock import LOCK_FILE, RunLock
+from tests.runtime.test_resume_extend import _run
 
 STEPS = ["task.trainer.max_steps=2", "task.checkpoint_every_n_steps=1"]
 
@@ -87,7 +87,7 @@ def test_world_size_recorded_in_the_checkpoint_is_checked(tmp_path):
 
 def test_allowed_changes_and_checkpoint_of_another_config_say_each_change_in_one_line(finished, tmp_path, caplog):
     """Issue 21.2: task.ckpt_path=<file> with other settings (lr, max_steps) continues, one line per change."""
-    with caplog.at_level(logging.WARNING, logger="moe_lab.tasks.resume"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.resume"):
         summary = _run(tmp_path / "new", "task.trainer.max_steps=3", "task.optim.lr=1e-3",
                        f"task.ckpt_path={finished / 'checkpoints' / 'last.ckpt'}")
     assert summary["global_step"] == 3
@@ -95,7 +95,7 @@ def test_allowed_changes_and_checkpoint_of_another_config_say_each_change_in_one
     assert any("task.optim.lr: 0.003 -> 0.001" in line for line in lines)
     assert any("task.trainer.max_steps: 2 -> 3" in line for line in lines)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="moe_lab.tasks.resume"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.resume"):
         _run(tmp_path / "other", "task.trainer.max_steps=3", "dataset.batch_size=4", "task.allow_resume_changes=true",
              f"task.ckpt_path={finished / 'checkpoints' / 'last.ckpt'}")
     assert [r.getMessage() for r in caplog.records if "dataset.batch_size: 2 -> 4" in r.getMessage()]
@@ -121,7 +121,7 @@ def test_a_stale_lock_on_this_host_is_taken_over_in_one_line(tmp_path, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
-    with caplog.at_level(logging.WARNING, logger="moe_lab.tasks.run_lock"), RunLock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.run_lock"), RunLock(tmp_path):
         held = json.loads((tmp_path / LOCK_FILE).read_text())
         assert held["pid"] == os.getpid()
     [line] = [r.getMessage() for r in caplog.records]
@@ -204,13 +204,13 @@ class DoubleCtrlC(L.Callback):
 
 def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_kept(tmp_path, capsys):
     """Issue 21.19: before, Lightning's exit(1) with no 'Resume with:' line."""
-    from moe_lab.tasks.finetune import RunInterrupted
+    from moe_lab.runtime.stop_signal import RunInterrupted
 
     out = tmp_path / "run"
     try:
         with pytest.raises(RunInterrupted) as err:
             _run(out, "task.trainer.max_steps=4", "task.checkpoint_every_n_steps=1",
-                 "+callbacks.double._target_=tests.test_resume_guard.DoubleCtrlC")
+                 "+callbacks.double._target_=tests.runtime.test_resume_guard.DoubleCtrlC")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT after a KeyboardInterrupt
     assert err.value.code == 128 + signal.SIGINT

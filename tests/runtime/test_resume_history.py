@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from moe_lab.tasks.resume import History
+from moe_lab.runtime.resume import History
 from tests.test_run import run_py
 
 STEPS = 4
@@ -61,7 +61,7 @@ def _rows(path: Path) -> list[dict]:
 def test_killed_twice_and_resumed_the_run_writes_what_an_uninterrupted_one_does(tmp_path):
     straight, run = tmp_path / "straight", tmp_path / "run"
     run_py(*COMMON, f"hydra.run.dir={straight}", cwd=tmp_path)
-    kill = ["+callbacks.kill._target_=tests.test_resume_history.Kill"]
+    kill = ["+callbacks.kill._target_=tests.runtime.test_resume_history.Kill"]
     proc = run_py(*COMMON, *kill, "+callbacks.kill.step=3", f"hydra.run.dir={run}", cwd=tmp_path, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     proc = run_py(f"task.resume={run}", f"+callbacks.kill.step={STEPS}", cwd=tmp_path, check=False)  # wins

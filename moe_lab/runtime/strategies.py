@@ -141,8 +141,8 @@ def z3_leaf_classes(model: torch.nn.Module) -> list[type]:
     """The MoE block classes DeepSpeed ZeRO-3 must treat as leaves: the family's HF block
     (``FamilySpec.block_class``, resolved in the model's modeling module) and moe-lab's ``MoEBlock`` that replaces
     it while a method is installed."""
-    from .moe.block import MoEBlock
-    from .moe.registry import family_spec
+    from ..moe.block import MoEBlock
+    from ..moe.registry import family_spec
 
     spec = family_spec(model.config.model_type)
     hf_block = getattr(sys.modules[type(model).__module__], spec.block_class, None)
