@@ -18,7 +18,8 @@ step 4 of 6       (resumes from 2); after step 5 (resumes from
 calibrate         kill -9 after the 2nd partial save            same command, same run dir   calibration.safetensors
 compress grid     kill -9 after 3 of 6 points; SIGTERM after 2  same command, same run dir   points.csv, grid.md
 condense          SIGTERM after 1 search step; kill -9 after 3  same command, same run dir   summary, steps, export
-teacher_logits    kill -9 between the record's write and rename the same command again       the record (bitwise)
+teacher_logits    kill -9 between the record's write and rename the same command again       the record (bitwise),
+                                                                                             its temporary removed
 evaluate          kill -9 after 3 of 4 prediction batches       same command, same run dir   predictions, results
 
 Signals in training, the prune / expert-removal studies and the grid in process: test_signal_resume_logging.py,
@@ -234,6 +235,7 @@ def _condense(whole: Path, run: Path) -> None:
 
 def _teacher_logits(whole: Path, run: Path) -> None:
     _same_tensors(whole / "teacher_logits.safetensors", run / "teacher_logits.safetensors")
+    assert not list(run.rglob(".*.tmp"))  # the killed run's temporary, removed when the next run took the directory
     assert _summary(run, ("file", "override")) == _summary(whole, ("file", "override"))
 
 
@@ -275,6 +277,7 @@ class Case:
 
 def _no_record(run: Path) -> None:
     assert not (run / "teacher_logits.safetensors").exists() and not (run / "summary.json").exists()
+    assert len(list(run.glob(".teacher_logits.safetensors.*.tmp"))) == 1  # killed between write and rename
 
 
 def _partial_calibration(run: Path) -> None:

@@ -37,18 +37,6 @@ class _HashingWriter:
         self.f.flush()
 
 
-def remove_stale_temporaries(ckpt_dir: str | Path) -> None:
-    """Remove the partial files (``.<name>.*.tmp``) that a run killed while writing a checkpoint or a marker left in
-    ``ckpt_dir``, with one line; called at the start of a run that holds the directory's lock."""
-    ckpt_dir = Path(ckpt_dir)
-    stale = sorted(ckpt_dir.glob(".*.tmp")) if ckpt_dir.is_dir() else []
-    for path in stale:
-        path.unlink(missing_ok=True)
-    if stale:
-        log.info("removed %d partial files of an earlier run killed while writing in %s: %s", len(stale), ckpt_dir,
-                 ", ".join(p.name for p in stale))
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves to a temporary file in the target directory, fsyncs, then renames over the target. The file's sha256
     is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker."""

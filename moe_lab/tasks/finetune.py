@@ -30,7 +30,6 @@ from .checkpoint_io import (
     check_resumable,
     checkpoint_callback,
     read_checkpoint,
-    remove_stale_temporaries,
 )
 from .resume import (
     History,
@@ -131,9 +130,7 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``. The run
     directory is locked for the run (a second run into it is refused, :class:`~.run_lock.RunLock`)."""
-    with RunLock(cfg.paths.output_dir) as lock:
-        if lock.held:  # rank zero: no other process of this run writes yet
-            remove_stale_temporaries(Path(cfg.paths.output_dir) / "checkpoints")  # of a run killed while writing
+    with RunLock(cfg.paths.output_dir):  # run_task holds it already; finetune's callers for phase directories not
         return _finetune(cfg)
 
 
