@@ -15,6 +15,9 @@ finetune, val at  kill -9 inside the validation of step 4       task.resume=<run
 step 4 of 6       (resumes from 2); after step 5 (resumes from
                   step 4's checkpoint, written after its
                   validation)
+finetune, val     kill -9 after step 3 (checkpoint at step 2,   task.resume=<run dir>        rows (less the later
+every 2 steps     written after its validation)                 task.trainer.limit_val_      validations), weights
+                                                                batches=0
 calibrate         kill -9 after the 2nd partial save            same command, same run dir   calibration.safetensors
 compress grid     kill -9 after 3 of 6 points; SIGTERM after 2  same command, same run dir   points.csv, grid.md
 condense          SIGTERM after 1 search step; kill -9 after 3  same command, same run dir   summary, steps, export
@@ -200,17 +203,29 @@ def _summary(run: Path, drop=()) -> dict:
 def _training(whole: Path, run: Path, resumed_from: int = 2) -> None:
     """metrics.csv row for row (the rows before the checkpoint carried over), the final checkpoint's weights,
     optimizer and LR-schedule state and the export bit for bit, the summary's final metrics."""
+    assert _values(_rows(run / "metrics.csv")) == _values(_rows(whole / "metrics.csv"))
+    _same_state(whole, run)
+    keep = [k for k in ("global_step", "train/loss", "val/loss", "val/ppl") if k in _summary(whole)]
+    assert {k: _summary(run).get(k) for k in keep} == {k: _summary(whole)[k] for k in keep}
+    assert _summary(run)["resumed_from_step"] == resumed_from
+
+
+def _same_state(whole: Path, run: Path) -> None:
     from tests.methods.test_method_resume import assert_bitwise_equal
 
-    assert _values(_rows(run / "metrics.csv")) == _values(_rows(whole / "metrics.csv"))
     want = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
     got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
         assert_bitwise_equal(got[key], want[key], key)
     _same_tensors(whole / "export" / "model.safetensors", run / "export" / "model.safetensors")
-    keep = [k for k in ("global_step", "train/loss", "val/loss", "val/ppl") if k in _summary(whole)]
-    assert {k: _summary(run).get(k) for k in keep} == {k: _summary(whole)[k] for k in keep}
-    assert _summary(run)["resumed_from_step"] == resumed_from
+
+
+def _validation_off(whole: Path, run: Path) -> None:
+    """Resumed with validation off: the uninterrupted run's rows less its validations after the checkpoint, each
+    row at its own step (the checkpoint was written after a validation), its weights bit for bit."""
+    want = [r for r in _values(_rows(whole / "metrics.csv")) if r["val/loss"] == "" or r["step"] < CHECKPOINT_STEP]
+    assert _values(_rows(run / "metrics.csv")) == want
+    _same_state(whole, run)
 
 
 def _calibration(whole: Path, run: Path) -> None:
@@ -272,6 +287,7 @@ class Case:
     resume_line: str | None = None  # printed by a signalled run
     check_interrupted: object = None  # what the interrupted run left (run dir)
     resumed: str = ""  # the resumed run's line saying what it took from the interrupted one
+    resume_overrides: tuple = ()  # given with task.resume
     oracle: str = ""
 
 
@@ -321,6 +337,10 @@ CASES = {
     "validating_after_checkpoint": Case(lambda s: VALIDATING, AFTER_STEP_5, functools.partial(_training, resumed_from=4),
                                         task_resume=True, check_interrupted=functools.partial(_checkpoint, step=4),
                                         oracle="validating_in_validation"),
+    "validation_off_after_resume": Case(lambda s: [*TRAIN, "task.trainer.max_steps=6",
+                                                   "task.trainer.val_check_interval=2"],
+                                        AFTER_STEP_3, _validation_off, task_resume=True, check_interrupted=_checkpoint,
+                                        resume_overrides=("task.trainer.limit_val_batches=0",)),
     "kd": Case(lambda s: [*TRAIN, "method=kd", "method.teacher=${model}"], AFTER_STEP_3, _training,
                task_resume=True, check_interrupted=_checkpoint),
     "calibrate": Case(lambda s: s["calibrate"], ("moe_lab.compress.calibration:Calibration.save", 2), _calibration,
@@ -399,7 +419,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(name, runner, share
         assert case.resume_line in log, log[-3000:]
     case.check_interrupted(run)
 
-    resume = [f"task.resume={run}"] if case.task_resume else [*argv, f"hydra.run.dir={run}"]
+    resume = [f"task.resume={run}", *case.resume_overrides] if case.task_resume else [*argv, f"hydra.run.dir={run}"]
     rc, log = runner(resume, tmp_path / "resumed.log")
     assert rc == 0, log[-3000:]
     assert case.resumed in log

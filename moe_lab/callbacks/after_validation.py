@@ -43,3 +43,28 @@ class AfterValidation(Callback):
         if action is not None:
             action()
         super().on_validation_end(trainer, pl_module)
+
+
+class ResumeAfterValidation(Callback):
+    """A checkpoint written after a validation resumes at the right logging step also when the resumed run does not
+    validate at that step (``limit_val_batches=0``, another ``val_check_interval``): Lightning counts the step for
+    the loggers after the validation (``_batches_that_stepped``), and resuming such a checkpoint it counts it only
+    where it validates at that step again (where it skips the validation); elsewhere this callback does, once,
+    when training starts. Each checkpoint records whether it was written during a validation."""
+
+    KEY = "moe_lab_written_in_validation"
+
+    def __init__(self):
+        self.resumed_in_validation = False
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        checkpoint[self.KEY] = bool(trainer.validating)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.resumed_in_validation = bool(checkpoint.get(self.KEY))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if self.resumed_in_validation and not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            epoch_loop._batches_that_stepped += 1
+        self.resumed_in_validation = False

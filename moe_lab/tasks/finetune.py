@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import slurm
 from ..atomic import atomic_write_json
+from ..callbacks.after_validation import ResumeAfterValidation
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..methods.precision import export_in_load_dtype
@@ -79,7 +80,8 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
                                      cfg.task.get("keep_last_checkpoints", 0))
     return L.Trainer(
-        default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint, _LogShortEpochRuns()],
+        default_root_dir=str(out), logger=loggers or False,
+        callbacks=[*callbacks, checkpoint, _LogShortEpochRuns(), ResumeAfterValidation()],
         strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
     )
 
