@@ -75,13 +75,12 @@ def atomic_write(path, write) -> Path:
     return path
 
 
-def is_temporary(path: Path) -> bool:
-    """Whether ``path`` is named as a temporary of this module's writers, the checkpoint writer or an export:
-    a file ``.<name>.tmp`` / ``.<name>.<random>.tmp``, a folder ``.<name>.tmp-<random>``."""
-    name = path.name
+def is_temporary(name: str, is_dir: bool = False) -> bool:
+    """Whether ``name`` is that of a temporary of this module's writers, the checkpoint writer or an export: a
+    file ``.<name>.tmp`` / ``.<name>.<random>.tmp``, a folder ``.<name>.tmp-<random>``."""
     if not name.startswith(".") or len(name) < 6:
         return False
-    return ".tmp-" in name if path.is_dir() else name.endswith(".tmp")
+    return ".tmp-" in name if is_dir else name.endswith(".tmp")
 
 
 def remove_stale_temporaries(directory, other_runs: str | None = None) -> list[Path]:
@@ -92,12 +91,12 @@ def remove_stale_temporaries(directory, other_runs: str | None = None) -> list[P
     stale = []
     for root, dirs, files in os.walk(directory):
         here = Path(root)
-        if other_runs and here != directory and (here / other_runs).exists():
+        if other_runs and here != directory and other_runs in files:
             dirs.clear()
             continue
-        stale += [here / d for d in dirs if is_temporary(here / d)]
-        stale += [here / f for f in files if is_temporary(here / f)]
-        dirs[:] = [d for d in dirs if not is_temporary(here / d)]
+        stale += [here / d for d in dirs if is_temporary(d, is_dir=True)]
+        stale += [here / f for f in files if is_temporary(f)]
+        dirs[:] = [d for d in dirs if not is_temporary(d, is_dir=True)]
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -46,11 +46,13 @@ class AfterValidation(Callback):
 
 
 class ResumeAfterValidation(Callback):
-    """A checkpoint written after a validation resumes at the right logging step also when the resumed run does not
-    validate at that step (``limit_val_batches=0``, another ``val_check_interval``): Lightning counts the step for
-    the loggers after the validation (``_batches_that_stepped``), and resuming such a checkpoint it counts it only
-    where it validates at that step again (where it skips the validation); elsewhere this callback does, once,
-    when training starts. Each checkpoint records whether it was written during a validation."""
+    """Resuming a checkpoint written during a validation, the rows keep their steps also when the resumed run does
+    not validate at that step (``limit_val_batches=0``, another ``val_check_interval``).
+
+    Lightning advances the loggers' step (``_batches_that_stepped``) after the validation, so such a checkpoint
+    holds the step before. Resuming it, Lightning advances the step where it would validate (and skips that
+    validation); elsewhere it does not, and the first resumed row would repeat the previous step: this callback
+    advances it then, when training starts. Each checkpoint records whether it was written during a validation."""
 
     KEY = "moe_lab_written_in_validation"
 

@@ -143,9 +143,10 @@ class CheckpointOnSignal(AfterValidation):
     writes its own: in ``on_train_batch_end``, or, when Lightning validates at that step, once the validation has
     ended and is logged (:mod:`moe_lab.callbacks.after_validation`). A resumed run then equals an uninterrupted one
     (weights, and the rows it logs). The fit stops (``SIGTERMException``) when the next batch starts. Stopping
-    anywhere else loses something: before a validation due at the step, its row (the resumed run skips it); in the
-    middle of gradient accumulation, the accumulated gradients. Under DDP the ranks decide together at every optimizer step (one
-    all-reduce of the signal number), so a signal delivered to any rank stops them all at the same step.
+    anywhere else loses something: before a validation due at the step, its row (the resumed run skips it); in
+    the middle of gradient accumulation, the accumulated gradients. Under DDP the ranks decide together at every
+    optimizer step (one all-reduce of the signal number), so a signal delivered to any rank stops them all at the
+    same step.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")

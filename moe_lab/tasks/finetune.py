@@ -132,7 +132,7 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``. The run
     directory is locked for the run (a second run into it is refused, :class:`~.run_lock.RunLock`)."""
-    with RunLock(cfg.paths.output_dir):  # run_task holds it already; finetune's callers for phase directories not
+    with RunLock(cfg.paths.output_dir):  # held already under run_task; taken here for a chained task's phases
         return _finetune(cfg)
 
 
