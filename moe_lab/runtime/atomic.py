@@ -1,16 +1,21 @@
 """Atomic artefact files: written to a temporary path beside the target, fsynced, then renamed over it, so a kill
 never leaves a partial file under the final name. Files get the mode ``open()`` gives (the umask), not
-``mkstemp``'s 0600. Directories (model exports) go through :func:`moe_lab.moe.patch.atomic_export`."""
+``mkstemp``'s 0600. Directories (model exports) go through :func:`moe_lab.moe.patch.atomic_export`. The temporaries
+a kill leaves (``.<name>.<random>.tmp`` files, ``.<name>.tmp-<random>`` export folders) are removed by
+:func:`remove_stale_temporaries` when the next run takes the directory (:class:`moe_lab.tasks.run_lock.RunLock`)."""
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 #: what torch.save says when a write fails (a full disk among the causes): it drops the OSError's errno
 TORCH_WRITE_FAILED = ("file write failed", "enforce fail at inline_container")
@@ -68,6 +73,39 @@ def atomic_write(path, write) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def is_temporary(name: str, is_dir: bool = False) -> bool:
+    """Whether ``name`` is that of a temporary of this module's writers, the checkpoint writer or an export: a
+    file ``.<name>.tmp`` / ``.<name>.<random>.tmp``, a folder ``.<name>.tmp-<random>``."""
+    if not name.startswith(".") or len(name) < 6:
+        return False
+    return ".tmp-" in name if is_dir else name.endswith(".tmp")
+
+
+def remove_stale_temporaries(directory, other_runs: str | None = None) -> list[Path]:
+    """Remove the temporaries (:func:`is_temporary`) under ``directory`` that a process killed between write and
+    rename left, with one line naming them; returns them. Call it only while no other process writes there (the
+    run lock held); subdirectories holding a file named ``other_runs`` (another run's lock) are left alone."""
+    directory = Path(directory)
+    stale = []
+    for root, dirs, files in os.walk(directory):
+        here = Path(root)
+        if other_runs and here != directory and other_runs in files:
+            dirs.clear()
+            continue
+        stale += [here / d for d in dirs if is_temporary(d, is_dir=True)]
+        stale += [here / f for f in files if is_temporary(f)]
+        dirs[:] = [d for d in dirs if not is_temporary(d, is_dir=True)]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d partial files of an earlier run killed while writing in %s: %s", len(stale), directory,
+                 ", ".join(str(p.relative_to(directory)) for p in sorted(stale)))
+    return stale
 
 
 def atomic_write_text(path, text: str, encoding: str = "utf-8") -> Path:

@@ -13,10 +13,11 @@ import threading
 from pathlib import Path
 
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ..callbacks.after_validation import AfterValidation
 from .atomic import explain_write_failure, umask_mode
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def remove_stale_temporaries(ckpt_dir: str | Path) -> None:
-    """Remove the partial files (``.<name>.*.tmp``) that a run killed while writing a checkpoint or a marker left in
-    ``ckpt_dir``, with one line; called at the start of a run that holds the directory's lock."""
-    ckpt_dir = Path(ckpt_dir)
-    stale = sorted(ckpt_dir.glob(".*.tmp")) if ckpt_dir.is_dir() else []
-    for path in stale:
-        path.unlink(missing_ok=True)
-    if stale:
-        log.info("removed %d partial files of an earlier run killed while writing in %s: %s", len(stale), ckpt_dir,
-                 ", ".join(p.name for p in stale))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -145,18 +134,19 @@ def check_matches(ckpt: dict, path: Path, module: torch.nn.Module, config_label:
                          "task.resume=<run dir> (it re-applies that run's overrides).")
 
 
-class CheckpointOnSignal(Callback):
+class CheckpointOnSignal(AfterValidation):
     """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a scheduler's warning) stop training after the current optimizer
     step, with ``ckpt_path`` written; a second Ctrl-C aborts at once. ``signum`` is the signal received (None:
     none).
 
-    The checkpoint is written in ``on_train_batch_end`` of the first micro-batch that ends an optimizer step after
-    the signal, where ``ModelCheckpoint`` writes its own: a resumed run then equals an uninterrupted one (weights,
-    and the steps it logs at). The rest of that iteration still runs, so a validation due at that step completes
-    and is logged; the fit stops (``SIGTERMException``) when the next batch starts. Stopping anywhere else loses
-    something: inside a validation, its row is never logged (the resumed run skips it); in the middle of gradient
-    accumulation, the accumulated gradients. Under DDP the ranks decide together at every optimizer step (one
-    all-reduce of the signal number), so a signal delivered to any rank stops them all at the same step.
+    The checkpoint is written at the end of the first optimizer step after the signal, where ``ModelCheckpoint``
+    writes its own: in ``on_train_batch_end``, or, when Lightning validates at that step, once the validation has
+    ended and is logged (:mod:`moe_lab.callbacks.after_validation`). A resumed run then equals an uninterrupted one
+    (weights, and the rows it logs). The fit stops (``SIGTERMException``) when the next batch starts. Stopping
+    anywhere else loses something: before a validation due at the step, its row (the resumed run skips it); in
+    the middle of gradient accumulation, the accumulated gradients. Under DDP the ranks decide together at every
+    optimizer step (one all-reduce of the signal number), so a signal delivered to any rank stops them all at the
+    same step.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -196,8 +186,11 @@ class CheckpointOnSignal(Callback):
         signum = self._agreed_signal(trainer)
         if signum is not None:
             self.signum = self.signum or signum
-            _save_marked(trainer, self.ckpt_path)
-            self.saved = self.ckpt_path
+            self.at_step_end(trainer, lambda: self._save(trainer))
+
+    def _save(self, trainer) -> None:
+        _save_marked(trainer, self.ckpt_path)
+        self.saved = self.ckpt_path
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.saved is not None:
@@ -329,14 +322,20 @@ def _save_marked(trainer, ckpt: Path, save=None) -> None:
     mark_completed(trainer, ckpt)
 
 
-class CompletedCheckpoint(ModelCheckpoint):
+class CompletedCheckpoint(AfterValidation, ModelCheckpoint):
     """``ModelCheckpoint`` that marks each checkpoint COMPLETED once written (a directory checkpoint loses its
     marker before it is overwritten; files are replaced atomically), removes the marker with the checkpoint and,
-    with ``keep_last`` > 0, keeps only the ``keep_last`` newest ``step-<n>.ckpt``."""
+    with ``keep_last`` > 0, keeps only the ``keep_last`` newest ``step-<n>.ckpt``. The checkpoint of a step that
+    Lightning validates after is written once that validation has ended (:mod:`moe_lab.callbacks.after_validation`).
+    """
 
     def __init__(self, *args, keep_last: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.keep_last = keep_last
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.at_step_end(trainer, lambda: super(CompletedCheckpoint, self).on_train_batch_end(
+            trainer, pl_module, outputs, batch, batch_idx))
 
     def _save_checkpoint(self, trainer, filepath) -> None:
         _save_marked(trainer, Path(filepath), save=lambda: super(CompletedCheckpoint, self)._save_checkpoint(

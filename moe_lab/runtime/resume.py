@@ -17,9 +17,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ..callbacks.after_validation import AfterValidation
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
                     where, trainer.get("max_steps"), trainer.get("max_epochs"))
 
 
-class LastStepCheckpoint(L.Callback):
-    """Writes ``last.ckpt`` at the batch that reaches ``max_steps``, inside the epoch, as a periodic checkpoint is.
+class LastStepCheckpoint(AfterValidation):
+    """Writes ``last.ckpt`` at the batch that reaches ``max_steps``, inside the epoch, as a periodic checkpoint is
+    (after the validation due at that step, :mod:`moe_lab.callbacks.after_validation`).
 
     Lightning's own end-of-training save comes after the epoch loop has closed, so a run stopped by ``max_steps``
     mid-epoch is recorded as having finished that epoch: resumed with more steps it would start a new epoch (the
@@ -94,7 +96,12 @@ class LastStepCheckpoint(L.Callback):
         saver = trainer.checkpoint_callback
         if saver is None or trainer.max_steps is None or trainer.max_steps < 0:
             return
-        if trainer.global_step >= trainer.max_steps and saver._last_global_step_saved != trainer.global_step:
+        if trainer.global_step >= trainer.max_steps:
+            self.at_step_end(trainer, lambda: self._save(trainer, saver))
+
+    @staticmethod
+    def _save(trainer, saver) -> None:
+        if saver._last_global_step_saved != trainer.global_step:
             saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
 

@@ -4,7 +4,9 @@
 rank-zero process and removed when it ends. A second run is refused naming the first's PID and host. A lock left by
 a process that is gone (kill -9) is taken over with one line when it is provably stale: the same host and that PID
 no longer running, or the same SLURM job (a requeued job on another node). A lock of a live process, or of another
-host, is never taken over: the message names the file to delete once that process is known to be gone.
+host, is never taken over: the message names the file to delete once that process is known to be gone. Taking
+the lock removes the temporaries a killed run left in the directory (:func:`moe_lab.runtime.atomic.remove_stale_temporaries`);
+taking it again in the process that holds it (a task running finetune in its own directory) is a no-op.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import socket
 import time
 from pathlib import Path
 
+from .atomic import remove_stale_temporaries
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".moe_lab.lock"
+_HELD: set[Path] = set()  # lock files this process holds
 
 
 def _alive(pid: int) -> bool:
@@ -60,7 +65,7 @@ class RunLock:
         return None
 
     def acquire(self) -> RunLock:
-        if not _is_rank_zero():
+        if not _is_rank_zero() or self.path.resolve() in _HELD:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a lock removed or taken over between our attempts: try again
@@ -84,11 +89,14 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self._mine()) + "\n")
             self.held = True
+            _HELD.add(self.path.resolve())
+            remove_stale_temporaries(self.path.parent, other_runs=LOCK_FILE)  # no other process writes there now
             return self
         raise RuntimeError(f"{self.path}: could not take the run lock (it keeps changing hands)")
 
     def release(self) -> None:
         if self.held:
+            _HELD.discard(self.path.resolve())
             self.path.unlink(missing_ok=True)
             self.held = False
 

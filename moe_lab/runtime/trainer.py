@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from ..callbacks.after_validation import ResumeAfterValidation
 from . import slurm
 from .checkpoint_io import AtomicCheckpointIO, checkpoint_callback
 from .strategies import build_strategy
@@ -47,7 +48,8 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
     checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
                                      cfg.task.get("keep_last_checkpoints", 0))
     return L.Trainer(
-        default_root_dir=str(out), logger=loggers or False, callbacks=[*callbacks, checkpoint, _LogShortEpochRuns()],
+        default_root_dir=str(out), logger=loggers or False,
+        callbacks=[*callbacks, checkpoint, _LogShortEpochRuns(), ResumeAfterValidation()],
         strategy=strategy, plugins=[AtomicCheckpointIO(), *slurm.cluster_plugins()], **trainer_kwargs,
     )
 

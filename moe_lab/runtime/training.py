@@ -27,7 +27,6 @@ from .checkpoint_io import (
     check_matches,
     check_resumable,
     read_checkpoint,
-    remove_stale_temporaries,
 )
 from .precision import export_in_load_dtype
 from .resume import (
@@ -86,9 +85,7 @@ def _loggers(cfg: DictConfig, out: Path, history: History) -> list:
 def finetune(cfg: DictConfig) -> dict:
     """Train ``cfg.model`` with ``cfg.method`` on ``cfg.dataset``; write metrics, plots and ``export/``. The run
     directory is locked for the run (a second run into it is refused, :class:`~.run_lock.RunLock`)."""
-    with RunLock(cfg.paths.output_dir) as lock:
-        if lock.held:  # rank zero: no other process of this run writes yet
-            remove_stale_temporaries(Path(cfg.paths.output_dir) / "checkpoints")  # of a run killed while writing
+    with RunLock(cfg.paths.output_dir):  # held already under run_task; taken here for a chained task's phases
         return _finetune(cfg)
 
 
@@ -149,6 +146,8 @@ def _finetune(cfg: DictConfig) -> dict:
                "model": cfg.model.name, "method": cfg.method.name, "step_time_median_s": timer.median_s,
                "interrupted": interrupted}
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    # a resumed run that has not validated since: its last validation's metrics, as the uninterrupted run reports
+    summary.update({k: v for k, v in _last_values(history.rows, "val/").items() if k not in summary})
     summary["data"] = _data_counts(datamodule)
     gather_full_weights(trainer, module)  # ZeRO-3 / FSDP: whole tensors on rank zero for the export
     if trainer.is_global_zero:
@@ -163,6 +162,11 @@ def _finetune(cfg: DictConfig) -> dict:
         requeue(on_signal.signum)  # in a submitit SLURM job, SIGUSR1/2: submitit requeues and exits
         raise RunInterrupted(128 + int(on_signal.signum or signal.SIGINT))
     return summary
+
+
+def _last_values(rows: list[dict], prefix: str) -> dict:
+    """The last value logged of each metric named ``prefix...`` in metrics.csv ``rows``."""
+    return {k: float(v) for row in rows for k, v in row.items() if k.startswith(prefix)}
 
 
 def _data_counts(datamodule) -> dict:

@@ -68,8 +68,12 @@ TASKS["d2d_prune"] = _analysis("d2d_prune", "d2d_prune_task")
 
 
 def run_task(cfg):
-    """Run ``cfg.task.name`` and return its summary dict."""
+    """Run ``cfg.task.name`` and return its summary dict. Every task holds its run directory
+    (:class:`~moe_lab.runtime.run_lock.RunLock`: a second run into it is refused; the temporaries a killed run left are removed)."""
+    from ..runtime.run_lock import RunLock
+
     name = cfg.task.name
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(TASKS))}")
-    return TASKS[name](cfg)
+    with RunLock(cfg.paths.output_dir):
+        return TASKS[name](cfg)

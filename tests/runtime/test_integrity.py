@@ -149,16 +149,27 @@ def test_checkpoints_and_markers_follow_the_umask(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_path, caplog):
-    from moe_lab.runtime.checkpoint_io import remove_stale_temporaries
+    """Checkpoint and marker temporaries, an export's temporary folder, at any depth; not files that merely end in
+    .tmp, nor the folder of another run (its lock file inside)."""
+    from moe_lab.runtime.atomic import remove_stale_temporaries
 
-    (tmp_path / ".last.ckpt.k2j3.tmp").write_bytes(b"half")
-    (tmp_path / f".last.ckpt.{MARKER}.tmp").write_text("{")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".last.ckpt.k2j3.tmp").write_bytes(b"half")
+    (tmp_path / "checkpoints" / f".last.ckpt.{MARKER}.tmp").write_text("{")
+    (tmp_path / ".export.tmp-a1b2").mkdir()
+    (tmp_path / ".export.tmp-a1b2" / "config.json").write_text("{}")
     (tmp_path / "keep.tmp").write_text("not ours")
-    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.checkpoint_io"):
-        remove_stale_temporaries(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp"]
+    (tmp_path / ".export.old").mkdir()  # the previous export, kept while the new one is renamed in
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / ".lock").write_text("{}")
+    (tmp_path / "other" / ".summary.json.x.tmp").write_text("{")
+    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.atomic"):
+        remove_stale_temporaries(tmp_path, other_runs=".lock")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        ".export.old", "checkpoints", "keep.tmp", "other", "other/.lock", "other/.summary.json.x.tmp"]
     [line] = [r.getMessage() for r in caplog.records]
-    assert "2 partial files" in line and ".last.ckpt.k2j3.tmp" in line
+    assert "3 partial files" in line and str(tmp_path) in line
+    assert f".export.tmp-a1b2, checkpoints/.last.ckpt.{MARKER}.tmp, checkpoints/.last.ckpt.k2j3.tmp" in line
 
 
 def test_deepspeed_directory_is_verified_file_by_file(tmp_path):

@@ -136,6 +136,68 @@ def test_a_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
     assert "PID 1234 on host elsewhere" in str(err.value) and str(tmp_path / LOCK_FILE) in str(err.value)
 
 
+def test_taking_the_lock_again_in_the_process_that_holds_it_is_a_no_op(tmp_path):
+    """A task holds its directory (run_task) and runs finetune there (cd_moe_sft): the inner lock neither refuses
+    nor releases the outer one."""
+    with RunLock(tmp_path) as outer:
+        with RunLock(tmp_path) as inner:
+            assert outer.held and not inner.held
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def _teacher_logits_cfg(tmp_path, out):
+    from tests.distill.test_teacher_logits_task import _cfg
+
+    return _cfg(tmp_path, "task=teacher_logits", f"paths.output_dir={out}")
+
+
+def test_every_task_removes_the_temporaries_a_killed_run_left(tmp_path, caplog):
+    """task=teacher_logits (no checkpoint of its own) killed between the record's write and its rename left
+    ``.teacher_logits.safetensors.<random>.tmp``: the next run into the directory removes it, in one line naming it.
+    A temporary inside the folder of another live run (its lock) is left alone."""
+    from moe_lab.tasks import run_task
+
+    out = tmp_path / "rec"
+    out.mkdir()
+    stale = out / ".teacher_logits.safetensors.k2j3.tmp"
+    stale.write_bytes(b"half a record")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / "live").mkdir()
+        (out / "live" / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+        (out / "live" / ".summary.json.a1b2.tmp").write_text("{")
+        with caplog.at_level(logging.INFO, logger="moe_lab.runtime.atomic"):
+            summary = run_task(_teacher_logits_cfg(tmp_path, out))
+    finally:
+        other.kill()
+        other.wait()
+    assert not stale.exists() and (out / "live" / ".summary.json.a1b2.tmp").exists()
+    [line] = [r.getMessage() for r in caplog.records if "partial files" in r.getMessage()]
+    assert line == (f"removed 1 partial files of an earlier run killed while writing in {out}: "
+                    ".teacher_logits.safetensors.k2j3.tmp")
+    assert summary["file"] == str(out / "teacher_logits.safetensors") and not (out / LOCK_FILE).exists()
+
+
+def test_a_live_run_keeps_its_temporaries(tmp_path):
+    """The same directory held by a live process: the task is refused naming it; its temporary stays."""
+    from moe_lab.tasks import run_task
+
+    out = tmp_path / "rec"
+    out.mkdir()
+    writing = out / ".teacher_logits.safetensors.k2j3.tmp"
+    writing.write_bytes(b"being written")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+        with pytest.raises(RuntimeError, match=f"PID {other.pid}"):
+            run_task(_teacher_logits_cfg(tmp_path, out))
+    finally:
+        other.kill()
+        other.wait()
+    assert writing.read_bytes() == b"being written" and not (out / "teacher_logits.safetensors").exists()
+
+
 # ---- through run.py: a refused command changes nothing of the run's own files (issue 21.9, 21.3, 21.24) ------------
 @pytest.mark.slow
 def test_refused_commands_leave_the_run_files_and_the_plain_resume_works(tmp_path):

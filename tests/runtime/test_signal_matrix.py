@@ -9,10 +9,20 @@ patches one function of the task so that it sends itself SIGKILL (or SIGTERM) ri
 case              interrupted                                   resumed with                 compared
 finetune, kd      kill -9 after step 3 (checkpoint at step 2)   task.resume=<run dir>        metrics.csv, last.ckpt,
                                                                                              export (bitwise)
+finetune          kill -9 inside the validation of step 4       task.resume=<run dir>        as above
+                  (the last; checkpoint due: resumes from 2)
+finetune, val at  kill -9 inside the validation of step 4       task.resume=<run dir>        as above
+step 4 of 6       (resumes from 2); after step 5 (resumes from
+                  step 4's checkpoint, written after its
+                  validation)
+finetune, val     kill -9 after step 3 (checkpoint at step 2,   task.resume=<run dir>        rows (less the later
+every 2 steps     written after its validation)                 task.trainer.limit_val_      validations), weights
+                                                                batches=0
 calibrate         kill -9 after the 2nd partial save            same command, same run dir   calibration.safetensors
 compress grid     kill -9 after 3 of 6 points; SIGTERM after 2  same command, same run dir   points.csv, grid.md
 condense          SIGTERM after 1 search step; kill -9 after 3  same command, same run dir   summary, steps, export
-teacher_logits    kill -9 between the record's write and rename the same command again       the record (bitwise)
+teacher_logits    kill -9 between the record's write and rename the same command again       the record (bitwise),
+                                                                                             its temporary removed
 evaluate          kill -9 after 3 of 4 prediction batches       same command, same run dir   predictions, results
 
 Signals in training, the prune / expert-removal studies and the grid in process: test_signal_resume_logging.py,
@@ -22,6 +32,7 @@ compress/test_sweep_resume.py, analysis/test_removal_resume.py, compress/test_co
 from __future__ import annotations
 
 import csv
+import functools
 import importlib
 import json
 import os
@@ -189,18 +200,32 @@ def _summary(run: Path, drop=()) -> dict:
     return {k: v for k, v in json.loads((run / "summary.json").read_text()).items() if k not in drop}
 
 
-def _training(whole: Path, run: Path) -> None:
-    """metrics.csv row for row (the rows before the checkpoint carried over), the final checkpoint's weights and
-    the export bit for bit, the summary's final metrics."""
+def _training(whole: Path, run: Path, resumed_from: int = 2) -> None:
+    """metrics.csv row for row (the rows before the checkpoint carried over), the final checkpoint's weights,
+    optimizer and LR-schedule state and the export bit for bit, the summary's final metrics."""
     assert _values(_rows(run / "metrics.csv")) == _values(_rows(whole / "metrics.csv"))
-    want = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
-    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    assert want["global_step"] == got["global_step"] and want["state_dict"].keys() == got["state_dict"].keys()
-    assert all(torch.equal(want["state_dict"][k], got["state_dict"][k]) for k in want["state_dict"])
-    _same_tensors(whole / "export" / "model.safetensors", run / "export" / "model.safetensors")
+    _same_state(whole, run)
     keep = [k for k in ("global_step", "train/loss", "val/loss", "val/ppl") if k in _summary(whole)]
     assert {k: _summary(run).get(k) for k in keep} == {k: _summary(whole)[k] for k in keep}
-    assert _summary(run)["resumed_from_step"] == CHECKPOINT_STEP
+    assert _summary(run)["resumed_from_step"] == resumed_from
+
+
+def _same_state(whole: Path, run: Path) -> None:
+    from tests.methods.test_method_resume import assert_bitwise_equal
+
+    want = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
+        assert_bitwise_equal(got[key], want[key], key)
+    _same_tensors(whole / "export" / "model.safetensors", run / "export" / "model.safetensors")
+
+
+def _validation_off(whole: Path, run: Path) -> None:
+    """Resumed with validation off: the uninterrupted run's rows less its validations after the checkpoint, each
+    row at its own step (the checkpoint was written after a validation), its weights bit for bit."""
+    want = [r for r in _values(_rows(whole / "metrics.csv")) if r["val/loss"] == "" or r["step"] < CHECKPOINT_STEP]
+    assert _values(_rows(run / "metrics.csv")) == want
+    _same_state(whole, run)
 
 
 def _calibration(whole: Path, run: Path) -> None:
@@ -225,6 +250,7 @@ def _condense(whole: Path, run: Path) -> None:
 
 def _teacher_logits(whole: Path, run: Path) -> None:
     _same_tensors(whole / "teacher_logits.safetensors", run / "teacher_logits.safetensors")
+    assert not list(run.rglob(".*.tmp"))  # the killed run's temporary, removed when the next run took the directory
     assert _summary(run, ("file", "override")) == _summary(whole, ("file", "override"))
 
 
@@ -241,6 +267,10 @@ TRAIN = ["debug=fast", "callbacks=none", "task.trainer.max_steps=4", "task.train
          f"task.checkpoint_every_n_steps={CHECKPOINT_STEP}", "dataset.num_examples=16", "dataset.batch_size=2"]
 SEARCH = ["num_sequences=4", "seq_len=16", "batch_size=1", "sample=first"]
 AFTER_STEP_3 = ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.advance", 3)
+AFTER_STEP_5 = (AFTER_STEP_3[0], 5)
+IN_VALIDATION = ("moe_lab.methods.base:MoELightningModule.validation_step", 1)  # the first validation batch
+#: validates at step 4 of 6 (the checkpoint of step 4 is written once that validation has ended)
+VALIDATING = [*TRAIN, "task.trainer.max_steps=6"]
 
 
 @dataclass
@@ -257,11 +287,13 @@ class Case:
     resume_line: str | None = None  # printed by a signalled run
     check_interrupted: object = None  # what the interrupted run left (run dir)
     resumed: str = ""  # the resumed run's line saying what it took from the interrupted one
+    resume_overrides: tuple = ()  # given with task.resume
     oracle: str = ""
 
 
 def _no_record(run: Path) -> None:
     assert not (run / "teacher_logits.safetensors").exists() and not (run / "summary.json").exists()
+    assert len(list(run.glob(".teacher_logits.safetensors.*.tmp"))) == 1  # killed between write and rename
 
 
 def _partial_calibration(run: Path) -> None:
@@ -286,8 +318,8 @@ def _predictions(run: Path) -> None:
     assert lines == [4, 2] and not (run / "summary.json").exists()
 
 
-def _checkpoint(run: Path) -> None:
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == CHECKPOINT_STEP
+def _checkpoint(run: Path, step: int = CHECKPOINT_STEP) -> None:
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
 
 
 def _grid_argv(s) -> list[str]:
@@ -298,6 +330,17 @@ def _grid_argv(s) -> list[str]:
 
 CASES = {
     "finetune": Case(lambda s: TRAIN, AFTER_STEP_3, _training, task_resume=True, check_interrupted=_checkpoint),
+    "finetune_in_validation": Case(lambda s: TRAIN, IN_VALIDATION, _training, task_resume=True,
+                                   check_interrupted=_checkpoint, oracle="finetune"),
+    "validating_in_validation": Case(lambda s: VALIDATING, IN_VALIDATION, _training, task_resume=True,
+                                     check_interrupted=_checkpoint),
+    "validating_after_checkpoint": Case(lambda s: VALIDATING, AFTER_STEP_5, functools.partial(_training, resumed_from=4),
+                                        task_resume=True, check_interrupted=functools.partial(_checkpoint, step=4),
+                                        oracle="validating_in_validation"),
+    "validation_off_after_resume": Case(lambda s: [*TRAIN, "task.trainer.max_steps=6",
+                                                   "task.trainer.val_check_interval=2"],
+                                        AFTER_STEP_3, _validation_off, task_resume=True, check_interrupted=_checkpoint,
+                                        resume_overrides=("task.trainer.limit_val_batches=0",)),
     "kd": Case(lambda s: [*TRAIN, "method=kd", "method.teacher=${model}"], AFTER_STEP_3, _training,
                task_resume=True, check_interrupted=_checkpoint),
     "calibrate": Case(lambda s: s["calibrate"], ("moe_lab.compress.calibration:Calibration.save", 2), _calibration,
@@ -376,7 +419,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(name, runner, share
         assert case.resume_line in log, log[-3000:]
     case.check_interrupted(run)
 
-    resume = [f"task.resume={run}"] if case.task_resume else [*argv, f"hydra.run.dir={run}"]
+    resume = [f"task.resume={run}", *case.resume_overrides] if case.task_resume else [*argv, f"hydra.run.dir={run}"]
     rc, log = runner(resume, tmp_path / "resumed.log")
     assert rc == 0, log[-3000:]
     assert case.resumed in log
