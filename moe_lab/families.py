@@ -26,8 +26,6 @@ REFUSED: dict[str, str] = {
     "aria_text": "experts are packed [E, H, 2I] and applied as x @ W without biases: a third expert layout",
     "llama4_text": "top-1 sigmoid router whose score scales the expert input (not its output); experts packed "
                    "[E, H, 2I] for bmm over all experts",
-    "dbrx": "experts are w1 / v1 / w2 [E*I, H] tensors in an mlp submodule (not packed gate_up_proj / "
-            "down_proj); the router module returns logits only",
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
               "size) with an output bias",
     "deepseek_v4": "hash-routed layers choose experts from the token id (tid2eid; the block needs input_ids); "

@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 from ..moe.block import MoEBlock
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.patch import MoEPatch
-from ..moe.routing import RoutingRule, scores_from_logits
+from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
 from ..moe.support import refuse_undefined
 
 
@@ -40,7 +40,7 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
     """Weights [N, E] of every expert whose values at ``indices`` equal the conventional top-k weights.
 
     - softmax / sigmoid scores, no renormalisation: ``w_e = scaling * s_e``.
-    - renormalised top-k (S = sum of the selected scores): ``w_e = scaling * s_e / S`` for the selected
+    - renormalised top-k (S = sum, or p-norm, of the selected scores): ``w_e = scaling * s_e / S`` for the selected
       experts (gradient through S) and ``scaling * s_e / stopgrad(S)`` for the others.
     - softmax over the top-k logits (GPT-OSS): ``w_e = exp(l_e - m) / Z`` with m the largest selected
       logit and Z the sum over the selected; inactive experts use ``stopgrad(Z)`` (the same extension as
@@ -59,11 +59,7 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
         scores = scores_from_logits(rule, logits)
         weights = scores
         if rule.renormalize:
-            denom = scores.gather(1, indices).sum(dim=-1, keepdim=True)
-            if rule.renorm_min is not None:
-                denom = torch.clamp(denom, min=rule.renorm_min)
-            if rule.renorm_eps:
-                denom = denom + rule.renorm_eps
+            denom = topk_denominator(rule, scores.gather(1, indices))
             weights = scores / torch.where(selected, denom, denom.detach())
     if rule.scaling != 1.0:
         weights = weights * rule.scaling

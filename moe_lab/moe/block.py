@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, stateless
 
+from .registry import config_value
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
 from .view import MoELayerView
@@ -165,7 +166,7 @@ class MoEBlock(nn.Module):
 
     def _jitter(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        noise = getattr(self.view.obj.config, spec.jitter_field, 0.0) if spec.jitter_field else 0.0
+        noise = config_value(self.view.obj.config, spec.jitter_field, 0.0) if spec.jitter_field else 0.0
         if self.training and noise > 0:
             for _ in range(spec.jitter_passes):
                 x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)

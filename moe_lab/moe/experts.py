@@ -14,6 +14,9 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
     if view.spec.expert_layout == "gpt_oss":
         gate_up = x @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]
         return experts._apply_gate(gate_up) @ experts.down_proj[expert] + experts.down_proj_bias[expert]
+    if not view.layout.packed:  # rows of 2-D tensors (DBRX), applied as its DbrxExpertGLU does: x @ W.T
+        gate, up, down = (t[expert] for t in view.roles())
+        return (view.layout.activation(experts)(x.matmul(gate.T)) * x.matmul(up.T)).matmul(down.T)
     gate_up = F.linear(x, experts.gate_up_proj[expert])
     if view.spec.expert_act == "apply_gate":
         return F.linear(experts._apply_gate(gate_up), experts.down_proj[expert])
@@ -23,6 +26,4 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
 
 def expert_intermediate_size(view: MoELayerView) -> int:
     """Intermediate width I of one routed expert."""
-    if view.spec.expert_layout == "gpt_oss":
-        return view.down_proj.shape[1]
-    return view.down_proj.shape[2]
+    return view.roles()[0].shape[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -13,9 +14,11 @@ from torch import nn
 
 from ..atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
+from .registry import set_config_value
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers
 
+_ATTENTION = re.compile(r"\.(?:self_attn|attn)\.")  # attention modules (DBRX: norm_attn_norm.attn)
 PARAMETER_GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "other")
 
 
@@ -133,7 +136,7 @@ class MoEPatch:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            group = owner.get(id(p)) or ("attention" if ".self_attn." in f".{name}" else "other")
+            group = owner.get(id(p)) or ("attention" if _ATTENTION.search(f".{name}") else "other")
             groups[group].append((name, p))
         return groups
 
@@ -187,9 +190,10 @@ class MoEPatch:
         self.model.config.output_router_logits = coef > 0
         if field is None or self.spec.aux_loss != "hf":
             return False
-        setattr(self.model.config, field, coef)
-        if hasattr(self.model, field):
-            setattr(self.model, field, coef)
+        set_config_value(self.model.config, field, coef)
+        attr = self.spec.aux_loss_model_attr or field
+        if hasattr(self.model, attr):
+            setattr(self.model, attr, coef)
         return True
 
     # export -------------------------------------------------------------------------------

@@ -96,18 +96,22 @@ class FamilySpec:
     block_class: str  # HF sparse-MoE block class; also the DeepSpeed ZeRO-3 leaf module
     router_attr: str  # attribute of the block holding the router ("gate" | "router")
     routing_rule: Callable[[object], RoutingRule]  # built from the HF config
-    expert_layout: str = "gate_up"  # "gate_up": [E, 2I, H] chunked; "gpt_oss": [E, H, 2I] interleaved + biases
+    # how the routed experts' tensors are stored (moe_lab.moe.layout.LAYOUTS): "gate_up": packed [E, 2I, H] chunked;
+    # "gpt_oss": packed [E, H, 2I] interleaved + biases; "w1_v1_w2": three [E*I, H] tensors in experts.mlp (DBRX)
+    expert_layout: str = "gate_up"
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
     shared_after_router: bool = False  # HF runs the shared expert between the router and the routed experts (AFMoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
-    aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
+    aux_loss_field: str | None = "router_aux_loss_coef"  # config field (dotted path) of the load-balancing coef.
+    aux_loss_model_attr: str | None = None  # the model attribute HF copies it into at init, where its name differs
     # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
     # sequence-wise loss, added by moe-lab) | "switch" (Switch loss added by moe-lab)
     aux_loss: str = "hf"
     native_aux_loss_coef: float = 0.0  # native coefficient when the config has no aux_loss_field
-    jitter_field: str | None = None  # config field of multiplicative input jitter applied in training
+    # config field (a dotted path into a sub-config: "ffn_config.moe_jitter_eps") of multiplicative input jitter
+    jitter_field: str | None = None
     jitter_passes: int = 1  # how many times the HF block applies that jitter
     notes: str = ""
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
@@ -144,6 +148,29 @@ def expert_count_field(config) -> str:
         if getattr(config, name, None):
             return name
     raise ValueError(f"{type(config).__name__} has no expert count field")
+
+
+def config_value(config, path: str, default=None):
+    """The value of config field ``path``, a dotted path into sub-configs ("ffn_config.moe_jitter_eps")."""
+    for name in path.split("."):
+        config = getattr(config, name, None)
+        if config is None:
+            return default
+    return config
+
+
+def set_config_value(config, path: str, value) -> None:
+    """Set config field ``path`` (a dotted path into sub-configs) to ``value``."""
+    owner, _, name = path.rpartition(".")
+    setattr(config_value(config, owner) if owner else config, name, value)
+
+
+def _dbrx_rule(config) -> RoutingRule:
+    ffn = config.ffn_config
+    p = ffn.moe_normalize_expert_weights
+    return RoutingRule(score="softmax", top_k=ffn.moe_top_k, num_experts=ffn.moe_num_experts,
+                       softmax_in_logits_dtype=True, renormalize=p is not None,
+                       renorm_p=None if p is None else float(p))
 
 
 def _deepseek_v2_rule(config) -> RoutingRule:
@@ -550,6 +577,15 @@ _ADDED_OWN += (
                notes="fp32 sigmoid (scoring_func) top-k with the router's selection bias, renormalised, route_scale; "
                "softcapped-SwiGLU experts summed in fp32; no shared expert; HF computes no aux loss (native 0); "
                "sliding / full attention with block attention residuals"),
+)
+_ADDED_OWN += (
+    FamilySpec("dbrx", "DbrxFFN", "router", _dbrx_rule, router_weight_attr="layer.weight", expert_layout="w1_v1_w2",
+               jitter_field="ffn_config.moe_jitter_eps", aux_loss_field="ffn_config.moe_loss_weight",
+               aux_loss_model_attr="router_aux_loss_coef",
+               notes="softmax top-k in the logits dtype, divided by the top-k's p-norm (ffn_config."
+               "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
+               "in experts.mlp; clip_qkv attention",
+               real_checkpoints=("transformers-community/dbrx-instruct",)),
 )
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)
 NO_DENSE_TARGET: dict[str, str] = {

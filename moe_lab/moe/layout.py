@@ -1,0 +1,79 @@
+"""How a family stores its routed experts' tensors, and per-expert VIEWS of them (never copies).
+
+Every layout's tensors have the expert as their leading axis in equal blocks: packed [E, ...] tensors (one block
+per index) or DBRX's [E*I, H] rows (expert e owns rows e*I .. (e+1)*I-1). So a per-expert mask over E acts on a
+tensor's leading axis in blocks of ``shape[0] // E`` (:func:`expand_expert_mask`), and ``tensors`` reshapes each
+stored parameter into an [E, ...] view whose slices are the real weights: gradients, in-place edits, masks and
+exports reach the model.
+
+Roles (``gate`` [E, I, H], ``up`` [E, I, H], ``down`` [E, H, I]) name the SwiGLU factors in every layout as views
+too, for computations that need them (per-expert forwards, weight statistics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """One storage layout of a family's routed experts (registry ``expert_layout``).
+
+    owner: the submodule of the experts module holding the tensors ("" = the experts module itself).
+    packed: the tensors are 3-D [E, ...] (HF's grouped / batched kernels and moe-lab's grouped paths read
+    ``gate_up_proj`` / ``down_proj``); False: per-expert blocks of rows of 2-D tensors.
+    names: the weight tensors (biases excluded), in their module's order.
+    act: the activation's attribute in the owner module.
+    """
+
+    name: str
+    owner: str
+    packed: bool
+    names: tuple[str, ...]
+    act: str = "act_fn"
+
+    def module(self, experts: nn.Module) -> nn.Module:
+        """The module that owns the expert tensors (where LoRA parametrizations and hooks go)."""
+        return experts.get_submodule(self.owner) if self.owner else experts
+
+    def activation(self, experts: nn.Module):
+        """The experts' gate activation (act(gate) * up)."""
+        return getattr(self.module(experts), self.act)
+
+    def tensors(self, experts: nn.Module, num_experts: int) -> dict[str, torch.Tensor]:
+        """Every expert tensor (biases included) as an [E, ...] view of its parameter, by attribute name."""
+        out = {}
+        for name, param in self.module(experts).named_parameters(recurse=False):
+            out[name] = param if self.packed else param.view(num_experts, -1, *param.shape[1:])
+        return out
+
+    def roles(self, experts: nn.Module, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` views of the SwiGLU factors."""
+        t = self.tensors(experts, num_experts)
+        if self.name == "gpt_oss":  # [E, H, 2I] interleaved gate / up columns, down [E, I, H]
+            gate_up = t["gate_up_proj"]
+            return gate_up[:, :, ::2].transpose(1, 2), gate_up[:, :, 1::2].transpose(1, 2), t["down_proj"].transpose(1, 2)
+        if self.name == "w1_v1_w2":  # gate rows w1, up rows v1, down rows w2 (applied as h @ w2_e)
+            return t["w1"], t["v1"], t["w2"].transpose(1, 2)
+        gate, up = t["gate_up_proj"].chunk(2, dim=1)
+        return gate, up, t["down_proj"]
+
+
+LAYOUTS: dict[str, ExpertLayout] = {
+    "gate_up": ExpertLayout("gate_up", "", True, ("gate_up_proj", "down_proj")),
+    "gpt_oss": ExpertLayout("gpt_oss", "", True, ("gate_up_proj", "down_proj")),
+    "w1_v1_w2": ExpertLayout("w1_v1_w2", "mlp", False, ("w1", "v1", "w2"), act="activation_fn"),
+}
+
+
+def expand_expert_mask(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``mask`` [E] broadcast over ``tensor``'s leading axis of E equal expert blocks (shape [E*b, 1, ...])."""
+    blocks = tensor.shape[0] // mask.numel()
+    if blocks * mask.numel() != tensor.shape[0]:
+        raise ValueError(f"a per-expert mask over {mask.numel()} experts does not tile a tensor of leading size "
+                         f"{tensor.shape[0]}")
+    keep = mask.to(tensor.device).repeat_interleave(blocks) if blocks > 1 else mask.to(tensor.device)
+    return keep.view(-1, *([1] * (tensor.dim() - 1)))
