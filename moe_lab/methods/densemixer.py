@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils import parametrize
 
-from ..moe.block import MoEBlock
+from ..moe.block import MoEBlock, sparse_mixture
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
@@ -118,11 +118,11 @@ class DenseMixerMixture:
         if self.forward == "dense":
             return self._dense_forward(block, view, x, logits, weights, indices)
         if not torch.is_grad_enabled() or not logits.requires_grad:
-            return block.experts(x, indices, weights)
+            return sparse_mixture(block, x, logits, weights, indices)
         if self.gradient == "paper_eq15":
             # same value bit for bit (w - stopgrad(w) == 0 exactly); dL/dw scaled by (1 + w) on the top-k
             weights = weights + weights.detach() * (weights - weights.detach())
-        out = block.experts(x, indices, weights)
+        out = sparse_mixture(block, x, logits, weights, indices)
         dense = dense_weights(view.rule, logits, indices)
         inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
         straight = dense.masked_fill(~inactive, 0.0)
@@ -132,7 +132,7 @@ class DenseMixerMixture:
         return out + straight.to(out.dtype)
 
     def _dense_forward(self, block, view, x, logits, weights, indices):
-        out = block.experts(x, indices, weights)
+        out = sparse_mixture(block, x, logits, weights, indices)
         if not block.training:
             return out
         with torch.no_grad():

@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from transformers.integrations.moe import _grouped_linear
 
-from ..moe.block import MoEBlock
+from ..moe.block import MoEBlock, sparse_mixture
 from ..moe.patch import MoEPatch
 from .compressed_experts import packed_layout
 
@@ -314,10 +314,12 @@ class FrozenExpertsMixture:
         self.trained = trained
 
     def __call__(self, block: MoEBlock, x, logits, weights, indices):
-        experts = block.experts
-        if not torch.is_grad_enabled() or parametrize.is_parametrized(experts) or indices.numel() == 0:
-            return experts(x, indices, weights)  # no backward, LoRA (its adapters train), or no tokens
-        view = block.view.obj
+        experts, view = block.experts, block.view.obj
+        if (not torch.is_grad_enabled() or parametrize.is_parametrized(view.expert_module) or indices.numel() == 0
+                or not view.layout.packed):
+            # no backward, LoRA (its adapters train), no tokens, or experts stored as rows of 2-D tensors (DBRX:
+            # HF's own loop; the frozen slices' gradients are zeroed by the slice hooks)
+            return sparse_mixture(block, x, logits, weights, indices)
         transposed, _, has_bias = packed_layout(view)
         k, n_experts = indices.shape[1], view.num_experts
         expert_ids, perm = torch.sort(indices.reshape(-1))

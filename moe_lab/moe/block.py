@@ -85,12 +85,13 @@ def autocast_expert_weights(experts: nn.Module, device_type: str) -> dict[str, t
 
 
 def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
-    """Conventional mixture: the HF packed experts run on the selected (token, expert) pairs."""
-    return block.experts(x, indices, weights)
+    """Conventional mixture [N, H]: the HF experts module run on the selected (token, expert) pairs (a view of its
+    output, which DBRX's keeps as [N, 1, H])."""
+    return block.experts(x, indices, weights).view(x.shape)
 
 
 class SliceGradMask:
-    """Gradient hook keeping only the gradient of the experts where ``mask`` [E] is True."""
+    """Gradient hook keeping only the gradient of the expert slices where ``mask`` (over the leading axis) is True."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
@@ -187,7 +188,7 @@ class MoEBlock(nn.Module):
         self._count(indices, batch, seq)
         if spec.shared_after_router:
             shared = shared_module(x)
-        if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
+        if parametrize.is_parametrized(self.view.obj.expert_module):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():
                 out = self.mixer(self, x, logits, weights, indices)
         else:

@@ -2,7 +2,7 @@
 
 Every layout's tensors have the expert as their leading axis in equal blocks: packed [E, ...] tensors (one block
 per index) or DBRX's [E*I, H] rows (expert e owns rows e*I .. (e+1)*I-1). So a per-expert mask over E acts on a
-tensor's leading axis in blocks of ``shape[0] // E`` (:func:`expand_expert_mask`), and ``tensors`` reshapes each
+tensor's leading axis in blocks of ``shape[0] // E`` (:func:`leading_mask`), and ``tensors`` reshapes each
 stored parameter into an [E, ...] view whose slices are the real weights: gradients, in-place edits, masks and
 exports reach the model.
 
@@ -69,11 +69,16 @@ LAYOUTS: dict[str, ExpertLayout] = {
 }
 
 
-def expand_expert_mask(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``mask`` [E] broadcast over ``tensor``'s leading axis of E equal expert blocks (shape [E*b, 1, ...])."""
-    blocks = tensor.shape[0] // mask.numel()
-    if blocks * mask.numel() != tensor.shape[0]:
+def leading_mask(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``mask`` [E] over experts as a bool mask over ``tensor``'s leading axis (E equal blocks of rows: the mask
+    itself for packed [E, ...] tensors, each entry repeated I times for DBRX's [E*I, H])."""
+    blocks, rest = divmod(tensor.shape[0], mask.numel())
+    if rest or not blocks:
         raise ValueError(f"a per-expert mask over {mask.numel()} experts does not tile a tensor of leading size "
                          f"{tensor.shape[0]}")
-    keep = mask.to(tensor.device).repeat_interleave(blocks) if blocks > 1 else mask.to(tensor.device)
-    return keep.view(-1, *([1] * (tensor.dim() - 1)))
+    return mask.repeat_interleave(blocks) if blocks > 1 else mask
+
+
+def expert_mask(rows: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The per-expert mask [E] that :func:`leading_mask` expanded into ``rows``."""
+    return rows.view(num_experts, -1)[:, 0]

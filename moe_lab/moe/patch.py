@@ -14,6 +14,7 @@ from torch import nn
 
 from ..atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
+from .layout import leading_mask
 from .registry import set_config_value
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers
@@ -36,7 +37,8 @@ class MoEPatch:
             view.router.moe_lab_policy = ConventionalRouting(view)
         self._hooks = []
         self._installed = False
-        # packed expert tensors trained only on some expert slices: name -> (parameter, bool mask [E])
+        # expert tensors trained only on some expert slices: name -> (parameter, bool mask over its leading axis:
+        # [E] for packed tensors, [E*I] for DBRX's row blocks; moe_lab.moe.layout.leading_mask)
         self.expert_slice_masks: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         # callables run after every optimizer step (e.g. router-bias updates)
         self.step_hooks: list = []
@@ -162,8 +164,9 @@ class MoEPatch:
                 if not ids:
                     param.requires_grad_(False)
                 elif not bool(mask.all()):
-                    self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, mask)
-                    block.hook_gradient_slices(param, mask)
+                    rows = leading_mask(mask, param)  # DBRX: expert e owns I rows of each [E*I, H] tensor
+                    self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, rows)
+                    block.hook_gradient_slices(param, rows)
 
     def update_biases(self) -> None:
         """Expert Condenser: one router-bias update from the loads since the previous update (all-reduced
