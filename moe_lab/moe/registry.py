@@ -126,6 +126,10 @@ class FamilySpec:
     output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
     fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
+    # config fields (dotted paths) of the routed-expert count and top-k, where not top-level (DBRX's ffn_config);
+    # None: the count field found by expert_count_field, and num_experts_per_tok
+    expert_count_path: str | None = None
+    top_k_path: str | None = None
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -163,6 +167,11 @@ def set_config_value(config, path: str, value) -> None:
     """Set config field ``path`` (a dotted path into sub-configs) to ``value``."""
     owner, _, name = path.rpartition(".")
     setattr(config_value(config, owner) if owner else config, name, value)
+
+
+def routing_size_paths(spec: FamilySpec, config) -> tuple[str, str]:
+    """``(expert count, top-k)`` config field paths of ``spec``'s family (dotted into sub-configs for DBRX)."""
+    return spec.expert_count_path or expert_count_field(config), spec.top_k_path or "num_experts_per_tok"
 
 
 def _dbrx_rule(config) -> RoutingRule:
@@ -582,6 +591,7 @@ _ADDED_OWN += (
     FamilySpec("dbrx", "DbrxFFN", "router", _dbrx_rule, router_weight_attr="layer.weight", expert_layout="w1_v1_w2",
                jitter_field="ffn_config.moe_jitter_eps", aux_loss_field="ffn_config.moe_loss_weight",
                aux_loss_model_attr="router_aux_loss_coef",
+               expert_count_path="ffn_config.moe_num_experts", top_k_path="ffn_config.moe_top_k",
                notes="softmax top-k in the logits dtype, divided by the top-k's p-norm (ffn_config."
                "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
                "in experts.mlp; clip_qkv attention",
