@@ -12,7 +12,6 @@ Strategies: Small Dense (n' = k'), Small MoE (k' = k < n'), Inference Reduce (n'
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch import nn
 
 from ..methods.precision import load_dtype
 from ..models import validate_config
-from ..moe.registry import family_spec, routing_size_paths
+from ..moe.registry import family_spec, routing_size_paths, update_config_dict
 from ..moe.view import MoELayerView, find_moe_layers
 from .calibration import Calibration
 from .dense import build_uninitialised, canonical
@@ -116,9 +115,7 @@ def pruned_config(config, keep: int, top_k: int):
     """A copy of ``config`` with the expert count ``keep`` and ``num_experts_per_tok = top_k``, validated."""
     values = config.to_dict()
     count, k = routing_size_paths(family_spec(config.model_type), config)
-    for path, value in canonical(config, {count: keep, k: top_k}).items():
-        owner, _, name = path.rpartition(".")
-        (functools.reduce(dict.__getitem__, owner.split("."), values) if owner else values)[name] = value
+    update_config_dict(values, canonical(config, {count: keep, k: top_k}))
     for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
         values.pop(key, None)
     new = type(config)(**values)

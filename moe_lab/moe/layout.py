@@ -27,6 +27,7 @@ class ExpertLayout:
     ``gate_up_proj`` / ``down_proj``); False: per-expert blocks of rows of 2-D tensors.
     names: the weight tensors (biases excluded), in their module's order.
     act: the activation's attribute in the owner module.
+    down: the tensors on the output side of the experts (down projection, its bias): what scales an expert's output.
     """
 
     name: str
@@ -34,6 +35,7 @@ class ExpertLayout:
     packed: bool
     names: tuple[str, ...]
     act: str = "act_fn"
+    down: tuple[str, ...] = ("down_proj", "down_proj_bias")
 
     def module(self, experts: nn.Module) -> nn.Module:
         """The module that owns the expert tensors (where LoRA parametrizations and hooks go)."""
@@ -65,7 +67,7 @@ class ExpertLayout:
 LAYOUTS: dict[str, ExpertLayout] = {
     "gate_up": ExpertLayout("gate_up", "", True, ("gate_up_proj", "down_proj")),
     "gpt_oss": ExpertLayout("gpt_oss", "", True, ("gate_up_proj", "down_proj")),
-    "w1_v1_w2": ExpertLayout("w1_v1_w2", "mlp", False, ("w1", "v1", "w2"), act="activation_fn"),
+    "w1_v1_w2": ExpertLayout("w1_v1_w2", "mlp", False, ("w1", "v1", "w2"), act="activation_fn", down=("w2",)),
 }
 
 

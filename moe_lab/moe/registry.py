@@ -169,6 +169,18 @@ def set_config_value(config, path: str, value) -> None:
     setattr(config_value(config, owner) if owner else config, name, value)
 
 
+def update_config_dict(values: dict, fields: dict) -> dict:
+    """``values`` (a ``config.to_dict()``) with ``fields`` set, dotted paths into its sub-config dicts; returned."""
+    for path, value in fields.items():
+        *owners, name = path.split(".")
+        functools.reduce(dict.__getitem__, owners, values)[name] = value
+    return values
+
+
+def _nested_overrides(width_path: str, count_path: str, top_k_path: str, config, width) -> dict:
+    return {width_path: width, count_path: 1, top_k_path: 1}
+
+
 def routing_size_paths(spec: FamilySpec, config) -> tuple[str, str]:
     """``(expert count, top-k)`` config field paths of ``spec``'s family (dotted into sub-configs for DBRX)."""
     return spec.expert_count_path or expert_count_field(config), spec.top_k_path or "num_experts_per_tok"
@@ -592,6 +604,10 @@ _ADDED_OWN += (
                jitter_field="ffn_config.moe_jitter_eps", aux_loss_field="ffn_config.moe_loss_weight",
                aux_loss_model_attr="router_aux_loss_coef",
                expert_count_path="ffn_config.moe_num_experts", top_k_path="ffn_config.moe_top_k",
+               dense_target=DenseTarget("one_expert", functools.partial(
+                   _nested_overrides, "ffn_config.ffn_hidden_size", "ffn_config.moe_num_experts",
+                   "ffn_config.moe_top_k"), note="no dense class has DBRX's backbone (clip_qkv Wqkv, bias-free "
+                   "LayerNorms): one-expert DBRX"),
                notes="softmax top-k in the logits dtype, divided by the top-k's p-norm (ffn_config."
                "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
                "in experts.mlp; clip_qkv attention",
