@@ -17,9 +17,9 @@ def _sparsemixer(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]
 
 
 def _gate_up_only(spec: FamilySpec, rule: RoutingRule) -> str | None:
-    if spec.expert_layout != "gate_up":
-        return "condensed layers support the gate_up expert layout only (GPT-OSS's clamped GLU with biases is not " \
-               "implemented)"
+    if spec.expert_layout not in ("gate_up", "w1_v1_w2"):
+        return "condensed layers support the gate_up and w1_v1_w2 expert layouts only (GPT-OSS's clamped GLU with " \
+               "biases is not implemented)"
     if spec.expert_act != "act_fn":
         return "condensed layers compute act(gate) * up; these experts use their own clamped gate (_apply_gate)"
     if spec.output_scaling_field:
