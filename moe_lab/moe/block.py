@@ -167,8 +167,8 @@ class MoEBlock(nn.Module):
 
     def _jitter(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        noise = config_value(self.view.obj.config, spec.jitter_field, 0.0) if spec.jitter_field else 0.0
-        if self.training and noise > 0:
+        noise = config_value(self.view.obj.config, spec.jitter_field) if spec.jitter_field else None
+        if self.training and noise is not None and (noise > 0 or spec.jitter_when_set):  # the same random draws
             for _ in range(spec.jitter_passes):
                 x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
         return x

@@ -113,6 +113,7 @@ class FamilySpec:
     # config field (a dotted path into a sub-config: "ffn_config.moe_jitter_eps") of multiplicative input jitter
     jitter_field: str | None = None
     jitter_passes: int = 1  # how many times the HF block applies that jitter
+    jitter_when_set: bool = False  # HF draws the jitter whenever the field is not None, 0 included (DBRX), not only > 0
     notes: str = ""
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
     dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
@@ -601,7 +602,8 @@ _ADDED_OWN += (
 )
 _ADDED_OWN += (
     FamilySpec("dbrx", "DbrxFFN", "router", _dbrx_rule, router_weight_attr="layer.weight", expert_layout="w1_v1_w2",
-               jitter_field="ffn_config.moe_jitter_eps", aux_loss_field="ffn_config.moe_loss_weight",
+               jitter_field="ffn_config.moe_jitter_eps", jitter_when_set=True,
+               aux_loss_field="ffn_config.moe_loss_weight",
                aux_loss_model_attr="router_aux_loss_coef",
                expert_count_path="ffn_config.moe_num_experts", top_k_path="ffn_config.moe_top_k",
                dense_target=DenseTarget("one_expert", functools.partial(

@@ -46,6 +46,9 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
                              "moe_normalize_expert_weights": 2.0}}, torch.float32),
     ("dbrx", {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
                              "moe_normalize_expert_weights": None}}, torch.bfloat16),
+    # moe_jitter_eps=0.0 still draws (HF tests `is not None`): the residual dropout after it sees the same RNG state
+    ("dbrx", {"resid_pdrop": 0.1, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                                 "moe_jitter_eps": 0.0}}, torch.float32),
     # Cohere2-MoE's other selection function (sigmoid of the top-k logits) with summed shared experts
     ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
 ]
