@@ -91,9 +91,15 @@ def _length(view, tokens):
     return 2 * view.config.hidden_size + expert_intermediate_size(view) + view.num_experts + tokens
 
 
+# DBRX dividing its top-k by their 2-norm (moe_normalize_expert_weights=2): inactive experts see stopgrad(||s_topk||)
+DBRX_P2 = {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                          "moe_normalize_expert_weights": 2.0}}
+
+
 @pytest.mark.parametrize("gradient", ["straight_through", "paper_eq15"])
-@pytest.mark.parametrize("family", DEFINED)
-def test_block_matches_dense_autograd_oracle(family, gradient):
+@pytest.mark.parametrize("family,overrides", [*((f, {}) for f in DEFINED), ("dbrx", DBRX_P2)],
+                         ids=[*DEFINED, "dbrx-p2"])
+def test_block_matches_dense_autograd_oracle(family, overrides, gradient):
     """Every family DenseMixer is defined for, both router-gradient estimators.
 
     Oracle: the surrogate loss <g, y_hf> + sum_(token, e) stopgrad(A_e) * w_e on HF's own block, with w the
@@ -102,7 +108,7 @@ def test_block_matches_dense_autograd_oracle(family, gradient):
     A = (1 - M_e) <g_mix, E_e(x)> (straight-through: every expert gets <g_mix, E_e(x)>, the selected ones through
     HF's own sparse path) or A = w_e <g_mix, E_e(x)> (Eq. 15: (w_e + M_e) <g_mix, E_e(x)>, the M_e part again
     through HF's path); E_e run by HF's packed experts."""
-    vanilla = build_tiny(family).train()
+    vanilla = build_tiny(family, **overrides).train()
     ours = copy.deepcopy(vanilla)
     patch = moe_lab.apply(ours, "densemixer", gradient=gradient)
     block, view = patch.layers[0], patch.views[0]
