@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,16 @@ class ExpertLayout:
         return getattr(self.module(experts), self.act)
 
     def tensors(self, experts: nn.Module, num_experts: int) -> dict[str, torch.Tensor]:
-        """Every expert tensor (biases included) as an [E, ...] view of its parameter, by attribute name."""
+        """Every expert tensor (biases included) as an [E, ...] view of its parameter, by attribute name; a
+        parametrized one (LoRA) as the module computes it (base + adapter)."""
+        module = self.module(experts)
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        if parametrize.is_parametrized(module):
+            names += [name for name in module.parametrizations if name not in names]
         out = {}
-        for name, param in self.module(experts).named_parameters(recurse=False):
-            out[name] = param if self.packed else param.view(num_experts, -1, *param.shape[1:])
+        for name in names:
+            tensor = getattr(module, name)
+            out[name] = tensor if self.packed else tensor.view(num_experts, -1, *tensor.shape[1:])
         return out
 
     def roles(self, experts: nn.Module, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
