@@ -47,7 +47,7 @@ from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
 from ..moe.block import ConventionalRouting, MoEBlock
-from ..moe.experts import expert_intermediate_size
+from ..moe.experts import expert_intermediate_size, looped_mixture
 from ..moe.patch import MoEPatch
 from ..moe.view import MoELayerView
 
@@ -151,8 +151,8 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     Rows are sorted by expert once and every projection is one grouped matmul over slices of the packed
     tensors, dispatched like HF's default ``grouped_mm`` experts implementation (the kernel sft uses).
     """
-    if not view.layout.packed:
-        return looped_scaled_mixture(view, x, indices, weights, scales)
+    if not view.layout.packed:  # row-blocked experts (DBRX): HF's per-expert loop on the layout's views
+        return looped_mixture(view, x, indices, weights, scales).to(x.dtype)
     experts = view.experts
     transposed, concatenated, has_bias = packed_layout(view)
     k = indices.shape[1]
@@ -184,26 +184,6 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     # back to (token, slot) order, then a sum over the slots (as HF's grouped experts do)
     out = out.new_empty(out.shape).index_copy(0, perm, out)
     return out.view(-1, k, out.shape[-1]).sum(dim=1).to(x.dtype)
-
-
-def looped_scaled_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                          scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """:func:`scaled_expert_mixture` for experts stored as row blocks of 2-D tensors (DBRX), as HF's own experts
-    loop runs them: per hit expert, its tokens through views of its gate / up / down rows (``MoELayerView.roles``;
-    SwiGLU ``act(x W_gate^T) * (x W_up^T)``), weighted and added into the output."""
-    gate_w, up_w, down_w = view.roles()
-    act = view.layout.activation(view.experts)
-    out = torch.zeros_like(x)
-    for e in indices.unique().tolist():
-        tokens, slots = (indices == e).nonzero(as_tuple=True)
-        gate_in = x[tokens] * scales["input_scale"][tokens]
-        up_in = x[tokens] * scales["up_input_scale"][tokens] if "up_input_scale" in scales else gate_in
-        hidden = act(gate_in.matmul(gate_w[e].T)) * up_in.matmul(up_w[e].T)
-        if "act_scale" in scales:
-            hidden = hidden * scales["act_scale"][tokens]
-        y = hidden.matmul(down_w[e].T) * weights[tokens, slots, None]
-        out = out.index_add(0, tokens, y.to(out.dtype))
-    return out
 
 
 def packed_layout(view: MoELayerView) -> tuple[bool, bool, bool]:

@@ -27,3 +27,35 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
 def expert_intermediate_size(view: MoELayerView) -> int:
     """Intermediate width I of one routed expert."""
     return view.roles()[0].shape[1]
+
+
+def looped_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                   scales: dict[str, torch.Tensor] | None = None, frozen: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed mixture [N, H] as HF's per-expert loop computes it for experts stored as row blocks (DBRX's
+    ``DbrxExperts.forward``: experts in id order, each on its (slot, token) pairs from ``torch.where``, weighted and
+    added into zeros), on the layout's role views, so bit for bit the same. ``scales`` (Compressed Experts): per-token
+    ``input_scale`` [N, H] on the gate input, optional ``up_input_scale`` [N, H] on the up input (else the gate's)
+    and ``act_scale`` [N, I] on the intermediate activation. ``frozen`` [E] bool: those experts run on DETACHED
+    weights (ESFT: no weight gradient is computed for them; the input gradient is)."""
+    scales = scales or {}
+    gate_w, up_w, down_w = view.roles()
+    act = view.layout.activation(view.experts)
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        mask = F.one_hot(indices, num_classes=view.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+    for e in hit:
+        with torch.no_grad():
+            slots, tokens = torch.where(mask[e])
+        gate, up, down = gate_w[e], up_w[e], down_w[e]
+        if frozen is not None and bool(frozen[e]):
+            gate, up, down = gate.detach(), up.detach(), down.detach()
+        rows = x[tokens]
+        gate_in = rows * scales["input_scale"][tokens] if "input_scale" in scales else rows
+        up_in = rows * scales["up_input_scale"][tokens] if "up_input_scale" in scales else gate_in
+        hidden = act(gate_in.matmul(gate.T)) * up_in.matmul(up.T)
+        if "act_scale" in scales:
+            hidden = hidden * scales["act_scale"][tokens]
+        y = hidden.matmul(down.T) * weights[tokens, slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
