@@ -612,7 +612,7 @@ _ADDED_OWN += (
                    "LayerNorms): one-expert DBRX"),
                notes="softmax top-k in the logits dtype, divided by the top-k's p-norm (ffn_config."
                "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
-               "in experts.mlp; clip_qkv attention",
+               "in experts.mlp (LoRA: merged export, no PEFT adapter); clip_qkv attention",
                real_checkpoints=("transformers-community/dbrx-instruct",)),
 )
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)

@@ -291,6 +291,21 @@ def test_export_drops_unused_experts_and_reloads_identically(ds, tmp_path):
     assert torch.equal(logits(back, batch), ref)
 
 
+def test_dbrx_condensed_export_drops_unused_experts_and_reloads_identically(tmp_path):
+    """The same on DBRX (experts as w1 / v1 / w2 [E*I, H] rows): the condensed layer holds copies of the retained
+    experts' rows, the export none of experts.mlp, and the reload gives the same logits."""
+    model = build_tiny("dbrx").eval()
+    cal = calibrate(model, batches(1))
+    m = condense(copy.deepcopy(model), cal, [1], {1: [6, 2]}, fallback="const")
+    batch = random_batch(2, 8, seed=5)
+    ref = logits(m, batch)
+    export_condensed(m, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["transformer.blocks.1.ffn.gate_up_proj"].shape == (2, 64, 64)  # [K, 2I, H]
+    assert not any(k.startswith("transformer.blocks.1.ffn.experts") for k in state)
+    assert torch.equal(logits(load_condensed(tmp_path), batch), ref)
+
+
 def test_layer_trim_and_block_influence(ds):
     from moe_lab.compress.condense_search import block_influence, trim, trim_order
 
