@@ -20,12 +20,16 @@ def _independent_loss(model, batch, coef):
     logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
     ce = F.cross_entropy(logits, batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
     cfg = model.config
-    aux = load_balancing_loss_func(out.router_logits, cfg.num_local_experts if hasattr(cfg, "num_local_experts")
-                                   else cfg.num_experts, cfg.num_experts_per_tok, batch["attention_mask"])
+    if hasattr(cfg, "ffn_config"):  # DBRX: routing sizes in ffn_config
+        experts, top_k = cfg.ffn_config.moe_num_experts, cfg.ffn_config.moe_top_k
+    else:
+        experts = cfg.num_local_experts if hasattr(cfg, "num_local_experts") else cfg.num_experts
+        top_k = cfg.num_experts_per_tok
+    aux = load_balancing_loss_func(out.router_logits, experts, top_k, batch["attention_mask"])
     return ce + coef * aux
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "dbrx"])  # DBRX: ffn_config.moe_loss_weight
 def test_aux_loss_added_exactly_once(family):
     model = build_tiny(family).eval()
     module = MoELightningModule(model, "sft", aux_loss_coef=0.25)
