@@ -41,6 +41,23 @@ def test_aux_loss_added_exactly_once(family):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_dbrx_coefficient_reaches_the_config_path_and_hfs_own_loss():
+    """DBRX keeps its coefficient in ffn_config.moe_loss_weight and copies it into the model's router_aux_loss_coef
+    at init: the mapped coefficient must reach both, so HF's own loss is CE + 0.25 * aux."""
+    import moe_lab
+
+    model = build_tiny("dbrx").eval()
+    patch = moe_lab.apply(model, "sft")
+    assert patch.set_aux_loss_coef(0.25)
+    assert model.config.ffn_config.moe_loss_weight == 0.25 == model.router_aux_loss_coef
+    batch = random_batch()
+    with torch.no_grad():
+        out = model(**batch)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                         ignore_index=-100)
+    torch.testing.assert_close(out.loss, ce + 0.25 * out.aux_loss, rtol=1e-6, atol=1e-7)
+
+
 def test_aux_loss_off_gives_plain_response_ce():
     model = build_tiny("qwen2_moe").eval()
     module = MoELightningModule(model, "sft", aux_loss_coef=0.0)
