@@ -93,7 +93,7 @@ def _packed_slices(experts) -> tuple[torch.Tensor, torch.Tensor]:
     return experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe", "dbrx"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe", pytest.param("dbrx", marks=pytest.mark.slow)])
 def test_condensed_layer_equals_shared_plus_fixed_gated_experts(family):
     model = build_tiny(family).eval()
     cal = calibrate(model, batches(1))
@@ -291,6 +291,7 @@ def test_export_drops_unused_experts_and_reloads_identically(ds, tmp_path):
     assert torch.equal(logits(back, batch), ref)
 
 
+@pytest.mark.slow
 def test_dbrx_condensed_export_drops_unused_experts_and_reloads_identically(tmp_path):
     """The same on DBRX (experts as w1 / v1 / w2 [E*I, H] rows): the condensed layer holds copies of the retained
     experts' rows, the export none of experts.mlp, and the reload gives the same logits."""

@@ -69,7 +69,7 @@ def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_pa
 # softmax-router families, GPT-OSS and DBRX: slicing == masking the removed logits (DeepSeek-V3's sigmoid scores and
 # correction bias and PhiMoE's sparsemixer are not softmax over the logits)
 MASKABLE = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "gpt_oss", "mixtral",
-            "dbrx"]  # DBRX: softmax, top-k divided by its p-norm; experts as [E*I, H] row blocks
+            pytest.param("dbrx", marks=pytest.mark.slow)]  # DBRX: softmax, top-k divided by its p-norm; experts as [E*I, H] row blocks
 
 
 @pytest.mark.parametrize("family", MASKABLE)

@@ -14,7 +14,8 @@ from moe_lab.distill import widen_teacher
 from tests.conftest import build_tiny, random_batch
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss", "olmoe", "phimoe", "dbrx"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss", "olmoe", "phimoe",
+                                    pytest.param("dbrx", marks=pytest.mark.slow)])
 def test_k_prime_equal_k_is_the_teacher(family):
     model = build_tiny(family).eval()
     batch = random_batch()

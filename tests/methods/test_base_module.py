@@ -29,7 +29,7 @@ def _independent_loss(model, batch, coef):
     return ce + coef * aux
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "dbrx"])  # DBRX: ffn_config.moe_loss_weight
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", pytest.param("dbrx", marks=pytest.mark.slow)])  # DBRX: ffn_config.moe_loss_weight
 def test_aux_loss_added_exactly_once(family):
     model = build_tiny(family).eval()
     module = MoELightningModule(model, "sft", aux_loss_coef=0.25)
@@ -41,6 +41,7 @@ def test_aux_loss_added_exactly_once(family):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dbrx_coefficient_reaches_the_config_path_and_hfs_own_loss():
     """DBRX keeps its coefficient in ffn_config.moe_loss_weight and copies it into the model's router_aux_loss_coef
     at init: the mapped coefficient must reach both, so HF's own loss is CE + 0.25 * aux."""

@@ -97,7 +97,7 @@ DBRX_P2 = {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_
 
 
 @pytest.mark.parametrize("gradient", ["straight_through", "paper_eq15"])
-@pytest.mark.parametrize("family,overrides", [*((f, {}) for f in DEFINED), ("dbrx", DBRX_P2)],
+@pytest.mark.parametrize("family,overrides", [*((f, {}) for f in DEFINED), pytest.param("dbrx", DBRX_P2, marks=pytest.mark.slow)],
                          ids=[*DEFINED, "dbrx-p2"])
 def test_block_matches_dense_autograd_oracle(family, overrides, gradient):
     """Every family DenseMixer is defined for, both router-gradient estimators.

@@ -80,6 +80,7 @@ def test_packed_factors_in_peft_layout(tmp_path):
     assert torch.equal(by_hand, delta)
 
 
+@pytest.mark.slow
 def test_row_blocked_experts_get_no_peft_adapter_and_say_why(tmp_path, caplog):
     """DBRX's experts are [E*I, H] row blocks: PEFT's target_parameters would give each tensor ONE LoRA pair, so
     no adapter is written (a warning names the reason) and the merged export still reloads in vanilla HF."""

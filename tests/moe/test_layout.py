@@ -17,7 +17,7 @@ def _same_storage(view_tensor: torch.Tensor, param: torch.Tensor) -> bool:
     return view_tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "dbrx"])
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", pytest.param("dbrx", marks=pytest.mark.slow)])
 def test_expert_tensors_and_roles_are_views_of_the_parameters(family):
     view = find_moe_layers(build_tiny(family))[0]
     params = dict(view.expert_module.named_parameters(recurse=False))
@@ -31,6 +31,7 @@ def test_expert_tensors_and_roles_are_views_of_the_parameters(family):
     assert all(any(_same_storage(role, p) for p in params.values()) for role in (gate, up, down))
 
 
+@pytest.mark.slow
 def test_dbrx_roles_are_the_hand_indexed_rows_and_edits_reach_them():
     model = build_tiny("dbrx")
     view = find_moe_layers(model)[0]
