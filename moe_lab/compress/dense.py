@@ -35,6 +35,7 @@ from torch import nn
 from ..methods.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import atomic_export
+from ..moe.registry import update_config_dict
 from ..moe.routing import select_topk
 from ..moe.support import undefined_reason
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
@@ -81,7 +82,8 @@ def layer_distance(view: MoELayerView, stats: dict, grouping: str) -> torch.Tens
     """The [E, E] clustering distance of ``grouping`` (wc: expert weights without biases; rc: router rows;
     oc: calibration Gram) for one layer."""
     return clustering_distance(grouping, router_weight=view.router_weight,
-                               expert_features=(view.gate_up_proj, view.down_proj), gram=stats.get("gram"))
+                               expert_features=tuple(view.expert_parameters()[n] for n in view.layout.names),
+                               gram=stats.get("gram"))
 
 
 def routed_mass(view: MoELayerView) -> float:
@@ -151,6 +153,10 @@ def concat_experts(view: MoELayerView, reps: list[dict], alpha: torch.Tensor) ->
     def scaled(t, g):
         return (t.double() * a[g]).to(t.dtype)
 
+    if not view.layout.packed:  # row blocks (DBRX's w1 / v1 / w2 [I, H]): rows are the intermediate axis
+        down = view.layout.down
+        return {name: torch.cat([scaled(r[name], g) if name in down else r[name] for g, r in enumerate(reps)])
+                for name in reps[0]}
     if view.spec.expert_layout == "gpt_oss":  # gate_up [H, 2I] interleaved, down [I, H], biases
         return {
             "gate_up_proj": torch.cat([r["gate_up_proj"] for r in reps], dim=1),
@@ -187,7 +193,8 @@ def scaled_experts(view: MoELayerView, layer_plan: LayerPlan, fold: float) -> di
     down bias) scaled by alpha_g / ``fold``: the routed part of a ``k_experts`` target."""
     alpha = [float(a) for a in _folded(layer_plan.alpha, fold)]
     reps = representatives(view, layer_plan)
-    return {name: torch.stack([(r[name].double() * a).to(r[name].dtype) if name.startswith("down_proj") else r[name]
+    down = view.layout.down
+    return {name: torch.stack([(r[name].double() * a).to(r[name].dtype) if name in down else r[name]
                                for r, a in zip(reps, alpha)]) for name in reps[0]}
 
 
@@ -233,7 +240,7 @@ def target_config(config, width: int):
         values = {k: v for k, v in values.items() if k in known}
     else:
         cls = type(config)
-    values.update(canonical(config, target.overrides(config, width)))
+    update_config_dict(values, canonical(config, target.overrides(config, width)))
     return cls(**values)
 
 
@@ -283,6 +290,7 @@ class DenseBuilder:
         student = build_uninitialised(config, load_dtype(teacher))  # a bf16-loaded teacher: a bf16 student
         self.student = student.to(next(teacher.parameters()).device).eval()
         self._copy_backbone()
+        self.student_views = {v.index: v for v in find_moe_layers(self.student)} if self.target.form != "mlp" else {}
         self.fold = 1.0 if self.target.form == "mlp" else routed_weight(self.student)
 
     def _ffn_prefixes(self) -> list[str]:
@@ -322,8 +330,9 @@ class DenseBuilder:
             else:
                 packed = (scaled_experts(view, plans[view.index], self.fold) if self.target.form == "k_experts"
                           else {n: t[None] for n, t in layer_ffn(view, plans[view.index], self.fold).items()})
+                targets = self.student_views[view.index].expert_parameters()  # [E', ...] views of its tensors
                 for name, tensor in packed.items():
-                    getattr(module.experts, name).copy_(tensor)
+                    targets[name].copy_(tensor)
                 router = getattr(module, view.spec.router_attr)
                 for p in router.parameters():
                     p.zero_()
