@@ -146,30 +146,33 @@ def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", g
 
 
 def concat_experts(view: MoELayerView, reps: list[dict], alpha: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One packed expert (no expert dim) whose output is ``sum_g alpha_g f_g(x)``: the representatives'
-    blocks concatenated along the intermediate axis, down projections (GPT-OSS: and down biases) scaled."""
+    """One expert (no expert dim) whose output is ``sum_g alpha_g f_g(x)``: the representatives' blocks
+    concatenated along the layout's intermediate axis (``moe_lab.moe.layout``), down projections (GPT-OSS: and
+    down biases) scaled."""
     a = [float(x) for x in alpha]
 
     def scaled(t, g):
         return (t.double() * a[g]).to(t.dtype)
 
-    if not view.layout.packed:  # row blocks (DBRX's w1 / v1 / w2 [I, H]): rows are the intermediate axis
-        down = view.layout.down
-        return {name: torch.cat([scaled(r[name], g) if name in down else r[name] for g, r in enumerate(reps)])
-                for name in reps[0]}
-    if view.spec.expert_layout == "gpt_oss":  # gate_up [H, 2I] interleaved, down [I, H], biases
-        return {
-            "gate_up_proj": torch.cat([r["gate_up_proj"] for r in reps], dim=1),
-            "gate_up_proj_bias": torch.cat([r["gate_up_proj_bias"] for r in reps]),
-            "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=0),
-            "down_proj_bias": sum(r["down_proj_bias"].double() * a[g] for g, r in enumerate(reps))
-            .to(reps[0]["down_proj_bias"].dtype),
-        }
-    gates, ups = zip(*(r["gate_up_proj"].chunk(2, dim=0) for r in reps))  # [2I, H]: gate rows, then up rows
-    return {
-        "gate_up_proj": torch.cat(list(gates) + list(ups), dim=0),
-        "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=1),
-    }
+    layout = view.layout
+    if not layout.packed:  # row blocks (DBRX's w1 / v1 / w2 [I, H]): rows are the intermediate axis
+        return {name: torch.cat([scaled(r[name], g) if name in layout.down else r[name]
+                                 for g, r in enumerate(reps)]) for name in reps[0]}
+    axis = 1 if layout.transposed else 0  # the intermediate axis of one expert's gate_up ([H, 2I] or [2I, H])
+
+    def gate_up(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+        if layout.interleaved:  # GPT-OSS: (gate, up) column pairs stay adjacent
+            return torch.cat(tensors, dim=dim)
+        gates, ups = zip(*(t.chunk(2, dim=dim) for t in tensors))  # gate rows / columns, then up
+        return torch.cat(gates + ups, dim=dim)
+
+    out = {"gate_up_proj": gate_up([r["gate_up_proj"] for r in reps], axis),
+           "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=1 - axis)}
+    if layout.biases:  # GPT-OSS: the gate_up biases concatenated, the down biases summed scaled
+        out["gate_up_proj_bias"] = gate_up([r["gate_up_proj_bias"] for r in reps], 0)
+        out["down_proj_bias"] = sum(r["down_proj_bias"].double() * a[g] for g, r in enumerate(reps)).to(
+            reps[0]["down_proj_bias"].dtype)
+    return out
 
 
 def representatives(view: MoELayerView, layer_plan: LayerPlan) -> list[dict[str, torch.Tensor]]:
