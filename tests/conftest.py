@@ -101,15 +101,19 @@ def hf_router_output(spec, router, out):
 def hf_route(view, router, x):
     """The vanilla HF router's ``(logits, weights, indices)`` for tokens ``x`` [N, H], given what its block passes it:
     a selection bias the block holds itself (MiniMax-M2, LFM2-MoE, HY-V3, AFMoE); AFMoE's router reads [B, S, H]; Llama 4's
-    returns (scores [N, E], logits), its top-k the nonzero scores."""
+    returns (scores [N, E], logits), its top-k the nonzero scores; a router returning logits only leaves the top-k to
+    its block's ``route_tokens_to_experts`` (DBRX)."""
     own = view.spec.correction_bias_attr
     extra = (getattr(view.block, own),) if own and "." not in own else ()
     if view.spec.router_logits_index:
         return hf_router_output(view.spec, router, router(x, *extra))
     try:
-        return router(x, *extra)
+        out = router(x, *extra)
     except ValueError:  # AFMoE
         return tuple(t.reshape(-1, t.shape[-1]) for t in router(x[None], *extra))
+    if isinstance(out, torch.Tensor):  # DBRX
+        return (out, *view.block.route_tokens_to_experts(out))
+    return out
 
 
 def random_batch(batch: int = 3, seq: int = 10, seed: int = 0, pad_rows=((1, 3), (2, 5))):

@@ -54,8 +54,9 @@ def test_matrix_cells_come_from_the_method_checks():
     row = next(line for line in markdown.splitlines() if line.startswith("| phimoe |"))
     assert "no: sparsemixer routing already has its own router-gradient estimator" in row
     gpt_oss = next(line for line in markdown.splitlines() if line.startswith("| gpt_oss |"))
-    assert gpt_oss.rstrip(" |").endswith("no: condensed layers support the gate_up expert layout only (GPT-OSS's "
-                                         "clamped GLU with biases is not implemented) | yes")
+    assert gpt_oss.rstrip(" |").endswith("no: condensed layers compute act(gate) * up on the layout's role views, "
+                                         "without expert biases (GPT-OSS's clamped GLU with biases is not implemented) "
+                                         "| yes")
 
 
 @pytest.mark.parametrize("method,match", [("densemixer", "densemixer is not defined for phimoe: sparsemixer"),

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 
 from ..moe.view import MoELayerView, find_moe_layers
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)$")  # DBRX: transformer.blocks.<i>
 
 
 def meta_model(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:

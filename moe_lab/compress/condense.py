@@ -132,13 +132,14 @@ class CondensedLayer(nn.Module):
         if ids.numel() != len(set(ids.tolist())) or bool(((ids < 0) | (ids >= view.num_experts)).any()):
             raise ValueError(f"layer {view.index}: retained experts {ids.tolist()} must be distinct ids in "
                              f"[0, {view.num_experts}) (condense.routed_experts)")
-        packed = view.experts
-        dev = packed.gate_up_proj.device
-        self.gate_up_proj = nn.Parameter(packed.gate_up_proj.detach()[ids.to(dev)].clone())
-        self.down_proj = nn.Parameter(packed.down_proj.detach()[ids.to(dev)].clone())
+        gate, up, down = (t.detach() for t in view.roles())  # views in every layout (DBRX: w1 / v1 / w2 rows)
+        dev = gate.device
+        idx = ids.to(dev)
+        self.gate_up_proj = nn.Parameter(torch.cat([gate[idx], up[idx]], dim=1))  # copies of the retained slices
+        self.down_proj = nn.Parameter(down[idx].contiguous())
         self.register_buffer("gates", gates.detach().to(device=dev, dtype=torch.float32).clone())
         self.register_buffer("expert_ids", ids.to(dev))
-        self.act_fn = packed.act_fn
+        self.act_fn = view.layout.activation(view.experts)
         self.shared_attr = view.spec.shared_attr
         self.shared_gate_attr = view.spec.shared_gate_attr
         self.returns_router_scores = view.spec.returns_router_scores

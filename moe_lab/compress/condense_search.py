@@ -155,7 +155,7 @@ class ExpertSearch:
         self.gates, self.valid = fixed_gates(calibration, view.index, fallback)
         if cached:
             with torch.no_grad():
-                dtype = view.gate_up_proj.dtype
+                dtype = view.expert_dtype
                 x = cache.x.to(dtype)
                 shared = build_condensed(view, None, [], gates=self.gates).shared_out(x)
                 self.base = cache.out - cache.y + (0 if shared is None else shared.float())
@@ -167,13 +167,13 @@ class ExpertSearch:
         memory N*H instead of E*N*H)."""
         if self.cache.f is not None:
             return self.cache.f[e]
-        return expert_forward(self.view, e, self.cache.x.to(self.view.gate_up_proj.dtype)).float()
+        return expert_forward(self.view, e, self.cache.x.to(self.view.expert_dtype)).float()
 
     @torch.no_grad()
     def _post(self, out: torch.Tensor) -> torch.Tensor:
         if self.post is None:
             return out
-        return self.post(out.to(self.view.gate_up_proj.dtype)).float()
+        return self.post(out.to(self.view.expert_dtype)).float()
 
     @torch.no_grad()
     def losses(self, chosen: Sequence[int]) -> torch.Tensor:
@@ -354,14 +354,14 @@ def expert_baseline(model: nn.Module, calibration: Calibration, method: str, rou
     for layer in layers:
         view = views[layer]
         _, valid = fixed_gates(calibration, layer, fallback)
-        gate_up, down = view.gate_up_proj.detach(), view.down_proj.detach()
+        gate, up, down = (t.detach() for t in view.roles())  # [E, I, H], [E, I, H], [E, H, I] views
         if method == "random":
             gen = torch.Generator().manual_seed(seed * 100003 + layer)
             score = torch.rand(view.num_experts, generator=gen, dtype=torch.float64)
         elif method == "l1":
-            score = (gate_up.double().abs().sum((1, 2)) + down.double().abs().sum((1, 2))).cpu()
+            score = sum(t.double().abs().sum((1, 2)) for t in (gate, up, down)).cpu()
         else:
-            score = torch.tensor([sum(alpha_hill(w, xmin=xmin) for w in (*gate_up[e].chunk(2, 0), down[e])) / 3
+            score = torch.tensor([sum(alpha_hill(w[e], xmin=xmin) for w in (gate, up, down)) / 3
                                   for e in range(view.num_experts)], dtype=torch.float64)
         score = torch.where(valid, score, torch.full_like(score, math.inf))
         order = torch.sort(score, stable=True).indices.tolist()
@@ -480,7 +480,7 @@ def layer_rank(model: nn.Module, calibration: Calibration, batches, experts: Map
     for i, cache in caches.items():
         module = build_condensed(views[i], calibration, list(experts.get(i, [])), fallback)
         with torch.no_grad():
-            y = module(cache.x.to(views[i].gate_up_proj.dtype).unsqueeze(0))
+            y = module(cache.x.to(views[i].expert_dtype).unsqueeze(0))
             tmp = cache.out - cache.y + _first(y).squeeze(0).float()
         losses[i] = _loss(cache.out, tmp, cache)
     return sorted(losses, key=lambda i: (losses[i], i))
@@ -495,7 +495,7 @@ def active_params(model: nn.Module) -> int:
     except ValueError:  # every MoE layer condensed or trimmed: no routed layer is left
         routed = []
     for view in routed:
-        per_expert = view.gate_up_proj[0].numel() + view.down_proj[0].numel()
+        per_expert = sum(t[0].numel() for t in view.expert_parameters().values())
         total -= (view.num_experts - view.top_k) * per_expert
     return total
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import atomic_export
+from ..moe.registry import update_config_dict
 from ..moe.routing import select_topk
 from ..moe.support import undefined_reason
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
@@ -81,7 +82,8 @@ def layer_distance(view: MoELayerView, stats: dict, grouping: str) -> torch.Tens
     """The [E, E] clustering distance of ``grouping`` (wc: expert weights without biases; rc: router rows;
     oc: calibration Gram) for one layer."""
     return clustering_distance(grouping, router_weight=view.router_weight,
-                               expert_features=(view.gate_up_proj, view.down_proj), gram=stats.get("gram"))
+                               expert_features=tuple(view.expert_parameters()[n] for n in view.layout.names),
+                               gram=stats.get("gram"))
 
 
 def routed_mass(view: MoELayerView) -> float:
@@ -144,26 +146,33 @@ def plan(model: nn.Module, calibration: Calibration, *, score: str = "do_acp", g
 
 
 def concat_experts(view: MoELayerView, reps: list[dict], alpha: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One packed expert (no expert dim) whose output is ``sum_g alpha_g f_g(x)``: the representatives'
-    blocks concatenated along the intermediate axis, down projections (GPT-OSS: and down biases) scaled."""
+    """One expert (no expert dim) whose output is ``sum_g alpha_g f_g(x)``: the representatives' blocks
+    concatenated along the layout's intermediate axis (``moe_lab.moe.layout``), down projections (GPT-OSS: and
+    down biases) scaled."""
     a = [float(x) for x in alpha]
 
     def scaled(t, g):
         return (t.double() * a[g]).to(t.dtype)
 
-    if view.spec.expert_layout == "gpt_oss":  # gate_up [H, 2I] interleaved, down [I, H], biases
-        return {
-            "gate_up_proj": torch.cat([r["gate_up_proj"] for r in reps], dim=1),
-            "gate_up_proj_bias": torch.cat([r["gate_up_proj_bias"] for r in reps]),
-            "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=0),
-            "down_proj_bias": sum(r["down_proj_bias"].double() * a[g] for g, r in enumerate(reps))
-            .to(reps[0]["down_proj_bias"].dtype),
-        }
-    gates, ups = zip(*(r["gate_up_proj"].chunk(2, dim=0) for r in reps))  # [2I, H]: gate rows, then up rows
-    return {
-        "gate_up_proj": torch.cat(list(gates) + list(ups), dim=0),
-        "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=1),
-    }
+    layout = view.layout
+    if not layout.packed:  # row blocks (DBRX's w1 / v1 / w2 [I, H]): rows are the intermediate axis
+        return {name: torch.cat([scaled(r[name], g) if name in layout.down else r[name]
+                                 for g, r in enumerate(reps)]) for name in reps[0]}
+    axis = 1 if layout.transposed else 0  # the intermediate axis of one expert's gate_up ([H, 2I] or [2I, H])
+
+    def gate_up(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+        if layout.interleaved:  # GPT-OSS: (gate, up) column pairs stay adjacent
+            return torch.cat(tensors, dim=dim)
+        gates, ups = zip(*(t.chunk(2, dim=dim) for t in tensors))  # gate rows / columns, then up
+        return torch.cat(gates + ups, dim=dim)
+
+    out = {"gate_up_proj": gate_up([r["gate_up_proj"] for r in reps], axis),
+           "down_proj": torch.cat([scaled(r["down_proj"], g) for g, r in enumerate(reps)], dim=1 - axis)}
+    if layout.biases:  # GPT-OSS: the gate_up biases concatenated, the down biases summed scaled
+        out["gate_up_proj_bias"] = gate_up([r["gate_up_proj_bias"] for r in reps], 0)
+        out["down_proj_bias"] = sum(r["down_proj_bias"].double() * a[g] for g, r in enumerate(reps)).to(
+            reps[0]["down_proj_bias"].dtype)
+    return out
 
 
 def representatives(view: MoELayerView, layer_plan: LayerPlan) -> list[dict[str, torch.Tensor]]:
@@ -187,7 +196,8 @@ def scaled_experts(view: MoELayerView, layer_plan: LayerPlan, fold: float) -> di
     down bias) scaled by alpha_g / ``fold``: the routed part of a ``k_experts`` target."""
     alpha = [float(a) for a in _folded(layer_plan.alpha, fold)]
     reps = representatives(view, layer_plan)
-    return {name: torch.stack([(r[name].double() * a).to(r[name].dtype) if name.startswith("down_proj") else r[name]
+    down = view.layout.down
+    return {name: torch.stack([(r[name].double() * a).to(r[name].dtype) if name in down else r[name]
                                for r, a in zip(reps, alpha)]) for name in reps[0]}
 
 
@@ -233,7 +243,7 @@ def target_config(config, width: int):
         values = {k: v for k, v in values.items() if k in known}
     else:
         cls = type(config)
-    values.update(canonical(config, target.overrides(config, width)))
+    update_config_dict(values, canonical(config, target.overrides(config, width)))
     return cls(**values)
 
 
@@ -281,6 +291,7 @@ class DenseBuilder:
         student = build_uninitialised(config, load_dtype(teacher))  # a bf16-loaded teacher: a bf16 student
         self.student = student.to(next(teacher.parameters()).device).eval()
         self._copy_backbone()
+        self.student_views = {v.index: v for v in find_moe_layers(self.student)} if self.target.form != "mlp" else {}
         self.fold = 1.0 if self.target.form == "mlp" else routed_weight(self.student)
 
     def _ffn_prefixes(self) -> list[str]:
@@ -320,8 +331,9 @@ class DenseBuilder:
             else:
                 packed = (scaled_experts(view, plans[view.index], self.fold) if self.target.form == "k_experts"
                           else {n: t[None] for n, t in layer_ffn(view, plans[view.index], self.fold).items()})
+                targets = self.student_views[view.index].expert_parameters()  # [E', ...] views of its tensors
                 for name, tensor in packed.items():
-                    getattr(module.experts, name).copy_(tensor)
+                    targets[name].copy_(tensor)
                 router = getattr(module, view.spec.router_attr)
                 for p in router.parameters():
                     p.zero_()

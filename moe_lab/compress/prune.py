@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 from ..models import validate_config
-from ..moe.registry import expert_count_field
+from ..moe.registry import family_spec, routing_size_paths, update_config_dict
 from ..moe.view import MoELayerView, find_moe_layers
 from ..runtime.precision import load_dtype
 from .calibration import Calibration
@@ -114,7 +114,8 @@ def _check_groups(view: MoELayerView, kept: list[int], top_k: int) -> None:
 def pruned_config(config, keep: int, top_k: int):
     """A copy of ``config`` with the expert count ``keep`` and ``num_experts_per_tok = top_k``, validated."""
     values = config.to_dict()
-    values.update(canonical(config, {expert_count_field(config): keep, "num_experts_per_tok": top_k}))
+    count, k = routing_size_paths(family_spec(config.model_type), config)
+    update_config_dict(values, canonical(config, {count: keep, k: top_k}))
     for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
         values.pop(key, None)
     new = type(config)(**values)
@@ -189,6 +190,12 @@ def _sliced_state(model: nn.Module, views: list[MoELayerView], kept: dict[int, l
                        *([f"{view.name}.{own}"] if own else [])):
             for name in [n for n in state if n.startswith(prefix)]:
                 dim = -1 if own and name == f"{view.name}.{own}" else 0  # ERNIE's bias is [1, E]
-                if state[name].dim() and state[name].shape[dim] == view.num_experts:
-                    state[name] = state[name].index_select(dim, idx.to(state[name].device))
+                tensor = state[name]
+                if prefix.endswith(".experts.") and tensor.dim() and tensor.shape[0] % view.num_experts == 0:
+                    # expert tensors: the expert is the leading axis in E equal blocks (one index when packed,
+                    # I rows of DBRX's [E*I, H]; moe_lab.moe.layout)
+                    blocks = tensor.reshape(view.num_experts, -1).index_select(0, idx.to(tensor.device))
+                    state[name] = blocks.reshape(-1, *tensor.shape[1:])
+                elif tensor.dim() and tensor.shape[dim] == view.num_experts:
+                    state[name] = tensor.index_select(dim, idx.to(tensor.device))
     return state

@@ -47,7 +47,7 @@ from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
 from ..moe.block import ConventionalRouting, MoEBlock
-from ..moe.experts import expert_intermediate_size
+from ..moe.experts import expert_intermediate_size, looped_mixture
 from ..moe.patch import MoEPatch
 from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView
@@ -153,6 +153,8 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
     Rows are sorted by expert once and every projection is one grouped matmul over slices of the packed
     tensors, dispatched like HF's default ``grouped_mm`` experts implementation (the kernel sft uses).
     """
+    if not view.layout.packed:  # row-blocked experts (DBRX): HF's per-expert loop on the layout's views
+        return looped_mixture(view, x, indices, weights, scales).to(x.dtype)
     experts = view.experts
     transposed, concatenated, has_bias = packed_layout(view)
     k = indices.shape[1]
@@ -189,10 +191,10 @@ def scaled_expert_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Te
 def packed_layout(view: MoELayerView) -> tuple[bool, bool, bool]:
     """(weights stored [E, in, out], gate/up concatenated (else interleaved), expert biases) of the packed
     experts, as HF's experts-implementation decorator records them (the registry's layout otherwise)."""
-    experts = view.experts
-    gpt_oss = view.spec.expert_layout == "gpt_oss"
-    return (bool(getattr(experts, "is_transposed", gpt_oss)), bool(getattr(experts, "is_concatenated", not gpt_oss)),
-            bool(getattr(experts, "has_bias", gpt_oss)))
+    experts, layout = view.experts, view.layout
+    return (bool(getattr(experts, "is_transposed", layout.transposed)),
+            bool(getattr(experts, "is_concatenated", not layout.interleaved)),
+            bool(getattr(experts, "has_bias", layout.biases)))
 
 
 def _split_gate_up(weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, concatenated: bool):

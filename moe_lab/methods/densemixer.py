@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 from torch.nn.utils import parametrize
 
-from ..moe.block import MoEBlock
+from ..moe.block import MoEBlock, sparse_mixture
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.patch import MoEPatch
-from ..moe.routing import RoutingRule, scores_from_logits
+from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
 from ..moe.support import refuse_undefined
 from .registry import register_method
 
@@ -41,7 +41,7 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
     """Weights [N, E] of every expert whose values at ``indices`` equal the conventional top-k weights.
 
     - softmax / sigmoid scores, no renormalisation: ``w_e = scaling * s_e``.
-    - renormalised top-k (S = sum of the selected scores): ``w_e = scaling * s_e / S`` for the selected
+    - renormalised top-k (S = sum, or p-norm, of the selected scores): ``w_e = scaling * s_e / S`` for the selected
       experts (gradient through S) and ``scaling * s_e / stopgrad(S)`` for the others.
     - softmax over the top-k logits (GPT-OSS): ``w_e = exp(l_e - m) / Z`` with m the largest selected
       logit and Z the sum over the selected; inactive experts use ``stopgrad(Z)`` (the same extension as
@@ -60,11 +60,7 @@ def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor
         scores = scores_from_logits(rule, logits)
         weights = scores
         if rule.renormalize:
-            denom = scores.gather(1, indices).sum(dim=-1, keepdim=True)
-            if rule.renorm_min is not None:
-                denom = torch.clamp(denom, min=rule.renorm_min)
-            if rule.renorm_eps:
-                denom = denom + rule.renorm_eps
+            denom = topk_denominator(rule, scores.gather(1, indices))
             weights = scores / torch.where(selected, denom, denom.detach())
     if rule.scaling != 1.0:
         weights = weights * rule.scaling
@@ -123,11 +119,11 @@ class DenseMixerMixture:
         if self.forward == "dense":
             return self._dense_forward(block, view, x, logits, weights, indices)
         if not torch.is_grad_enabled() or not logits.requires_grad:
-            return block.experts(x, indices, weights)
+            return sparse_mixture(block, x, logits, weights, indices)
         if self.gradient == "paper_eq15":
             # same value bit for bit (w - stopgrad(w) == 0 exactly); dL/dw scaled by (1 + w) on the top-k
             weights = weights + weights.detach() * (weights - weights.detach())
-        out = block.experts(x, indices, weights)
+        out = sparse_mixture(block, x, logits, weights, indices)
         dense = dense_weights(view.rule, logits, indices)
         inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
         straight = dense.masked_fill(~inactive, 0.0)
@@ -137,7 +133,7 @@ class DenseMixerMixture:
         return out + straight.to(out.dtype)
 
     def _dense_forward(self, block, view, x, logits, weights, indices):
-        out = block.experts(x, indices, weights)
+        out = sparse_mixture(block, x, logits, weights, indices)
         if not block.training:
             return out
         with torch.no_grad():

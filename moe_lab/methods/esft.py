@@ -36,7 +36,8 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from transformers.integrations.moe import _grouped_linear
 
-from ..moe.block import MoEBlock, split_router_output
+from ..moe.block import MoEBlock, sparse_mixture, split_router_output
+from ..moe.experts import looped_mixture
 from ..moe.patch import MoEPatch
 from .compressed_experts import packed_layout
 from .registry import register_method
@@ -312,16 +313,19 @@ class FrozenExpertsMixture:
     experts multiplied by DETACHED expert weights, so backward computes weight gradients only for the
     trained experts' pairs (input gradients for all). Mirrors HF's ``grouped_mm`` experts forward: pairs
     sorted by expert, per-expert grouped matmuls, routing weights, then a sum over the top-k slots; each
-    expert's rows are those of the joint call, in the same order. ``trained``: bool [E]."""
+    expert's rows are those of the joint call, in the same order. Experts stored as row blocks (DBRX): HF's own
+    per-expert loop (:func:`~moe_lab.moe.experts.looped_mixture`), frozen experts on detached views. ``trained``:
+    bool [E]."""
 
     def __init__(self, trained: torch.Tensor):
         self.trained = trained
 
     def __call__(self, block: MoEBlock, x, logits, weights, indices):
-        experts = block.experts
-        if not torch.is_grad_enabled() or parametrize.is_parametrized(experts) or indices.numel() == 0:
-            return experts(x, indices, weights)  # no backward, LoRA (its adapters train), or no tokens
-        view = block.view.obj
+        experts, view = block.experts, block.view.obj
+        if not torch.is_grad_enabled() or parametrize.is_parametrized(view.expert_module) or indices.numel() == 0:
+            return sparse_mixture(block, x, logits, weights, indices)  # no backward, LoRA (its adapters train), no tokens
+        if not view.layout.packed:  # row-blocked experts (DBRX): HF's own per-expert loop, frozen ones detached
+            return looped_mixture(view, x, indices, weights, frozen=~self.trained)
         transposed, _, has_bias = packed_layout(view)
         k, n_experts = indices.shape[1], view.num_experts
         expert_ids, perm = torch.sort(indices.reshape(-1))

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..moe.block import SliceGradMask
+from ..moe.layout import expert_mask
 from ..moe.patch import MoEPatch
 from ..runtime.precision import export_in_load_dtype
 from .registry import register_adapter
@@ -41,7 +42,8 @@ ADAPTER_EXPORTS: list = []
 
 
 class PackedLoRA(nn.Module):
-    """Parametrization of a packed expert tensor [E, m, n]: ``W + scale * B @ A`` with B [E, m, r] = 0."""
+    """Parametrization of an expert tensor seen as [E, m, n] (packed, or DBRX's [E*m, n] rows, whose [E, m, n]
+    view it takes): ``W + scale * B @ A`` with B [E, m, r] = 0."""
 
     def __init__(self, shape: torch.Size, rank: int, scale: float, dtype, device):
         super().__init__()
@@ -51,8 +53,12 @@ class PackedLoRA(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(experts, m, rank, dtype=dtype, device=device))
         nn.init.kaiming_uniform_(self.lora_A.view(-1, n), a=math.sqrt(5))
 
+    def delta(self) -> torch.Tensor:
+        """``scale * B @ A`` [E, m, n]."""
+        return self.scale * torch.bmm(self.lora_B, self.lora_A)
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.scale * torch.bmm(self.lora_B, self.lora_A)
+        return weight + self.delta().view(weight.shape)
 
 
 class LinearLoRA(nn.Module):
@@ -113,16 +119,20 @@ def add_lora(
     patch.lora_modules = []
     if "experts" in targets:
         for view in patch.views:
-            for name, param in list(view.experts.named_parameters(recurse=False)):
-                if param.dim() != 3:
+            owner = view.expert_module  # the experts module, or DBRX's experts.mlp
+            prefix = ".".join(filter(None, (view.name, "experts", view.layout.owner)))
+            for name, tensor in view.expert_parameters().items():
+                param = getattr(owner, name)
+                if tensor.dim() != 3:
                     continue  # GPT-OSS expert biases stay frozen
-                mask = next((m for q, m in patch.expert_slice_masks.values() if q is param), None)
-                lora = PackedLoRA(param.shape, rank, scale, param.dtype, param.device)
-                parametrize.register_parametrization(view.experts, name, lora, unsafe=True)
-                if mask is not None:  # ESFT: adapters only on the selected experts
+                rows = next((m for q, m in patch.expert_slice_masks.values() if q is param), None)
+                lora = PackedLoRA(tensor.shape, rank, scale, param.dtype, param.device)
+                parametrize.register_parametrization(owner, name, lora, unsafe=True)
+                if rows is not None:  # ESFT: adapters only on the selected experts
+                    mask = expert_mask(rows, view.num_experts)
                     for i, p in enumerate((lora.lora_A, lora.lora_B)):
                         p.register_hook(SliceGradMask(mask))
-                        patch.expert_slice_masks[f"{view.name}.experts.{name}.lora{i}"] = (p, mask)
+                        patch.expert_slice_masks[f"{prefix}.{name}.lora{i}"] = (p, mask)
     for module in linear:
         if id(module.weight) not in method_trains:
             continue  # the method freezes this weight (e.g. ESFT's attention): no adapter either
@@ -154,7 +164,8 @@ def _packed_merge(module: nn.Module, name: str) -> torch.Tensor:
         return getattr(module, name).detach().float()
     lora = parametrization[0]
     a, b = lora.lora_A.detach().float(), lora.lora_B.detach().float()
-    return parametrization.original.detach().float() + lora.scale * torch.bmm(b, a)
+    original = parametrization.original.detach().float()
+    return original + (lora.scale * torch.bmm(b, a)).view(original.shape)
 
 
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:

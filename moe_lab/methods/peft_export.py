@@ -70,6 +70,12 @@ def peft_config(patch, as_parameters: frozenset[str] = frozenset()):
     linear, packed, routers = _lora_parts(patch)
     if not linear and not packed:
         raise ValueError("no LoRA adapters on this model: the PEFT export needs method.lora")
+    rows = [name for name in packed if patch.model.get_parameter(f"{name.rsplit('.', 1)[0]}.parametrizations."
+                                                                 f"{name.rsplit('.', 1)[1]}.original").dim() != 3]
+    if rows:
+        raise ValueError(f"{rows[0]} stores its experts as row blocks of a 2-D tensor (DBRX's [E*I, H]): PEFT's "
+                         "target_parameters give such a tensor ONE LoRA pair, not one per expert; load the merged "
+                         "export instead")
     rank, alpha = _rank_alpha([*linear.values(), *packed.values()])
     dropout = [float(a.dropout.p) for a in linear.values() if isinstance(a.dropout, nn.Dropout)]
     parameters = sorted([*packed, *(f"{name}.weight" for name in as_parameters)])

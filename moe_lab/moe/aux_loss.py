@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .registry import config_value
 from .routing import scores_from_logits, select_topk
 
 AUX_LOSSES = ("hf", "sequence", "switch")
@@ -21,7 +22,7 @@ AUX_LOSSES = ("hf", "sequence", "switch")
 def native_aux_loss_coef(spec, config) -> float:
     """The family's own coefficient: the loaded config's ``spec.aux_loss_field`` (HF config-class default or
     the checkpoint's value), else the registry's ``native_aux_loss_coef``."""
-    value = getattr(config, spec.aux_loss_field, None) if spec.aux_loss_field else None
+    value = config_value(config, spec.aux_loss_field) if spec.aux_loss_field else None
     return float(spec.native_aux_loss_coef if value is None else value)
 
 

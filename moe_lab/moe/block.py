@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize, stateless
 
 from .experts import expert_mixture
+from .registry import config_value
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
 from .view import MoELayerView, router_weight_of
@@ -97,12 +98,13 @@ def autocast_expert_weights(experts: nn.Module, device_type: str) -> dict[str, t
 
 
 def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
-    """Conventional mixture: the HF packed experts run on the selected (token, expert) pairs."""
+    """Conventional mixture [N, H]: the HF experts module run on the selected (token, expert) pairs
+    (:func:`~moe_lab.moe.experts.expert_mixture`: the routing weight on the expert output, or input)."""
     return expert_mixture(block.view.obj, x, weights, indices)
 
 
 class SliceGradMask:
-    """Gradient hook keeping only the gradient of the experts where ``mask`` [E] is True."""
+    """Gradient hook keeping only the gradient of the expert slices where ``mask`` (over the leading axis) is True."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
@@ -178,8 +180,8 @@ class MoEBlock(nn.Module):
 
     def _jitter(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        noise = getattr(self.view.obj.config, spec.jitter_field, 0.0) if spec.jitter_field else 0.0
-        if self.training and noise > 0:
+        noise = config_value(self.view.obj.config, spec.jitter_field) if spec.jitter_field else None
+        if self.training and noise is not None and (noise > 0 or spec.jitter_when_set):  # the same random draws
             for _ in range(spec.jitter_passes):
                 x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
         return x
@@ -199,7 +201,7 @@ class MoEBlock(nn.Module):
         self._count(indices, batch, seq)
         if spec.shared_after_router:
             shared = shared_module(x)
-        if parametrize.is_parametrized(self.experts):  # LoRA: merge the adapters once per forward, not per expert
+        if parametrize.is_parametrized(self.view.obj.expert_module):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():
                 out = self.mixer(self, x, logits, weights, indices)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -13,9 +14,12 @@ from torch import nn
 
 from ..runtime.atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
+from .layout import leading_mask
+from .registry import set_config_value
 from .stats import TokenContext
 from .view import MoELayerView, dense_layer_indices, find_moe_layers
 
+_ATTENTION = re.compile(r"\.(?:self_attn|attn)\.")  # attention modules (DBRX: norm_attn_norm.attn)
 PARAMETER_GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "other")
 
 
@@ -33,7 +37,8 @@ class MoEPatch:
             view.router.moe_lab_policy = ConventionalRouting(view)
         self._hooks = []
         self._installed = False
-        # packed expert tensors trained only on some expert slices: name -> (parameter, bool mask [E])
+        # expert tensors trained only on some expert slices: name -> (parameter, bool mask over its leading axis:
+        # [E] for packed tensors, [E*I] for DBRX's row blocks; moe_lab.moe.layout.leading_mask)
         self.expert_slice_masks: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         # callables run after every optimizer step (e.g. router-bias updates)
         self.step_hooks: list = []
@@ -133,7 +138,7 @@ class MoEPatch:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            group = owner.get(id(p)) or ("attention" if ".self_attn." in f".{name}" else "other")
+            group = owner.get(id(p)) or ("attention" if _ATTENTION.search(f".{name}") else "other")
             groups[group].append((name, p))
         return groups
 
@@ -159,8 +164,9 @@ class MoEPatch:
                 if not ids:
                     param.requires_grad_(False)
                 elif not bool(mask.all()):
-                    self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, mask)
-                    block.hook_gradient_slices(param, mask)
+                    rows = leading_mask(mask, param)  # DBRX: expert e owns I rows of each [E*I, H] tensor
+                    self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, rows)
+                    block.hook_gradient_slices(param, rows)
 
     def update_biases(self) -> None:
         """Expert Condenser: one router-bias update from the loads since the previous update (all-reduced
@@ -187,9 +193,10 @@ class MoEPatch:
         self.model.config.output_router_logits = coef > 0
         if field is None or self.spec.aux_loss != "hf":
             return False
-        setattr(self.model.config, field, coef)
-        if hasattr(self.model, field):
-            setattr(self.model, field, coef)
+        set_config_value(self.model.config, field, coef)
+        attr = self.spec.aux_loss_model_attr or field
+        if hasattr(self.model, attr):
+            setattr(self.model, attr, coef)
         return True
 
     # export -------------------------------------------------------------------------------

@@ -96,8 +96,10 @@ class FamilySpec:
     block_class: str  # HF sparse-MoE block class; also the DeepSpeed ZeRO-3 leaf module
     router_attr: str  # attribute of the block holding the router ("gate" | "router")
     routing_rule: Callable[[object], RoutingRule]  # built from the HF config
-    # "gate_up": [E, 2I, H] chunked, F.linear; "gpt_oss": [E, H, 2I] interleaved + biases; "transposed": gate_up
-    # [E, H, 2I] (gate columns, then up columns) and down [E, I, H], applied as x @ W, no biases (Llama 4)
+    # how the routed experts' tensors are stored (moe_lab.moe.layout.LAYOUTS): "gate_up": packed [E, 2I, H] chunked,
+    # F.linear; "gpt_oss": packed [E, H, 2I] interleaved + biases; "transposed": packed gate_up [E, H, 2I] (gate
+    # columns, then up columns) and down [E, I, H], applied as x @ W, no biases (Llama 4); "w1_v1_w2": three
+    # [E*I, H] tensors in experts.mlp (DBRX)
     expert_layout: str = "gate_up"
     shared_attr: str | None = None  # shared expert module(s)
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
@@ -110,13 +112,16 @@ class FamilySpec:
     # experts module then takes the E weight-scaled copies of the tokens [E*N, H] and runs every expert on its copy
     # (a zero weight gives an exactly zero output: SwiGLU without biases)
     weight_on_input: bool = False
-    aux_loss_field: str | None = "router_aux_loss_coef"  # config field of the load-balancing coefficient
+    aux_loss_field: str | None = "router_aux_loss_coef"  # config field (dotted path) of the load-balancing coef.
+    aux_loss_model_attr: str | None = None  # the model attribute HF copies it into at init, where its name differs
     # load-balancing loss (moe_lab.moe.aux_loss): "hf" (HF adds its Switch loss) | "sequence" (DeepSeek
     # sequence-wise loss, added by moe-lab) | "switch" (Switch loss added by moe-lab)
     aux_loss: str = "hf"
     native_aux_loss_coef: float = 0.0  # native coefficient when the config has no aux_loss_field
-    jitter_field: str | None = None  # config field of multiplicative input jitter applied in training
+    # config field (a dotted path into a sub-config: "ffn_config.moe_jitter_eps") of multiplicative input jitter
+    jitter_field: str | None = None
     jitter_passes: int = 1  # how many times the HF block applies that jitter
+    jitter_when_set: bool = False  # HF draws the jitter whenever the field is not None, 0 included (DBRX), not only > 0
     notes: str = ""
     real_checkpoints: tuple[str, ...] = field(default_factory=tuple)
     dense_target: DenseTarget | None = None  # MoE -> dense conversion target; None: no vanilla mapping
@@ -130,6 +135,10 @@ class FamilySpec:
     output_scaling_field: str | None = None  # config field scaling the routed mixture output, not the weights (Beam)
     router_weight_attr: str = "weight"  # the router's [E, H] weight, relative to the router ("wg.weight": Hunyuan)
     fp32_combine_field: str | None = None  # config flag: routed + shared summed in fp32, then cast back (HY-V3)
+    # config fields (dotted paths) of the routed-expert count and top-k, where not top-level (DBRX's ffn_config);
+    # None: the count field found by expert_count_field, and num_experts_per_tok
+    expert_count_path: str | None = None
+    top_k_path: str | None = None
 
 
 def _softmax_rule(config, renormalize=None, cast=True) -> RoutingRule:
@@ -152,6 +161,46 @@ def expert_count_field(config) -> str:
         if getattr(config, name, None):
             return name
     raise ValueError(f"{type(config).__name__} has no expert count field")
+
+
+def config_value(config, path: str, default=None):
+    """The value of config field ``path``, a dotted path into sub-configs ("ffn_config.moe_jitter_eps")."""
+    for name in path.split("."):
+        config = getattr(config, name, None)
+        if config is None:
+            return default
+    return config
+
+
+def set_config_value(config, path: str, value) -> None:
+    """Set config field ``path`` (a dotted path into sub-configs) to ``value``."""
+    owner, _, name = path.rpartition(".")
+    setattr(config_value(config, owner) if owner else config, name, value)
+
+
+def update_config_dict(values: dict, fields: dict) -> dict:
+    """``values`` (a ``config.to_dict()``) with ``fields`` set, dotted paths into its sub-config dicts; returned."""
+    for path, value in fields.items():
+        *owners, name = path.split(".")
+        functools.reduce(dict.__getitem__, owners, values)[name] = value
+    return values
+
+
+def _nested_overrides(width_path: str, count_path: str, top_k_path: str, config, width) -> dict:
+    return {width_path: width, count_path: 1, top_k_path: 1}
+
+
+def routing_size_paths(spec: FamilySpec, config) -> tuple[str, str]:
+    """``(expert count, top-k)`` config field paths of ``spec``'s family (dotted into sub-configs for DBRX)."""
+    return spec.expert_count_path or expert_count_field(config), spec.top_k_path or "num_experts_per_tok"
+
+
+def _dbrx_rule(config) -> RoutingRule:
+    ffn = config.ffn_config
+    p = ffn.moe_normalize_expert_weights
+    return RoutingRule(score="softmax", top_k=ffn.moe_top_k, num_experts=ffn.moe_num_experts,
+                       softmax_in_logits_dtype=True, renormalize=p is not None,
+                       renorm_p=None if p is None else float(p))
 
 
 def _deepseek_v2_rule(config) -> RoutingRule:
@@ -367,7 +416,7 @@ _CORE: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "gpt_oss", "GptOssMLP", "router", _gpt_oss_rule, expert_layout="gpt_oss",
-            returns_router_scores=True,
+            expert_act="apply_gate", returns_router_scores=True,
             notes="top-k on biased logits, softmax over the top-k, clamped SwiGLU with expert biases",
             real_checkpoints=("openai/gpt-oss-20b",),
             dense_target=DenseTarget("one_expert", _one_expert("intermediate_size", "num_local_experts"),
@@ -573,6 +622,19 @@ _ADDED_OWN += (
                "on its weight-scaled copy of the tokens), ungated shared expert; experts [E, H, 2I] applied as x @ W; "
                "MoE every interleave_moe_layer_step layers (moe_layers), chunked-attention / no-RoPE layers; HF "
                "computes no aux loss (native 0; an explicit coefficient adds the Switch loss)"),
+    FamilySpec("dbrx", "DbrxFFN", "router", _dbrx_rule, router_weight_attr="layer.weight", expert_layout="w1_v1_w2",
+               jitter_field="ffn_config.moe_jitter_eps", jitter_when_set=True,
+               aux_loss_field="ffn_config.moe_loss_weight",
+               aux_loss_model_attr="router_aux_loss_coef",
+               expert_count_path="ffn_config.moe_num_experts", top_k_path="ffn_config.moe_top_k",
+               dense_target=DenseTarget("one_expert", functools.partial(
+                   _nested_overrides, "ffn_config.ffn_hidden_size", "ffn_config.moe_num_experts",
+                   "ffn_config.moe_top_k"), note="no dense class has DBRX's backbone (clip_qkv Wqkv, bias-free "
+                   "LayerNorms): one-expert DBRX"),
+               notes="softmax top-k in the logits dtype, divided by the top-k's p-norm (ffn_config."
+               "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
+               "in experts.mlp (LoRA: merged export, no PEFT adapter); clip_qkv attention",
+               real_checkpoints=("transformers-community/dbrx-instruct",)),
 )
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)
 NO_DENSE_TARGET: dict[str, str] = {

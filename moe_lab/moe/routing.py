@@ -45,6 +45,8 @@ class RoutingRule:
     biased_group_fill: what groups dropped by group-limited selection get on a biased choice (AXK2: 0.0).
     logits_in_weight_dtype: the tokens are cast to the router weight's dtype before the matmul (MiniMax-M2,
     Hunyuan: an fp32-kept router weight gives fp32 logits).
+    softmax_in_logits_dtype: the softmax over all experts is taken in the logits dtype (DBRX), else in fp32.
+    renorm_p: renormalise by the top-k weights' p-norm instead of their sum (DBRX's moe_normalize_expert_weights).
     """
 
     score: str
@@ -74,11 +76,14 @@ class RoutingRule:
     biased_group_fill: float = float("-inf")
     topk_softmax_fp32: bool = False
     scatter_scores: bool = False
+    softmax_in_logits_dtype: bool = False
+    renorm_p: float | None = None
 
     @property
     def normalises_topk(self) -> bool:
-        """The top-k weights sum to a constant (``scaling``): renormalised, or a softmax over the top-k."""
-        return self.renormalize or self.softmax_over_topk
+        """The top-k weights sum to a constant (``scaling``): renormalised by their sum (or 1-norm), or a softmax
+        over the top-k."""
+        return (self.renormalize and self.renorm_p in (None, 1.0)) or self.softmax_over_topk
 
     def __post_init__(self):
         if self.score not in SCORE_FUNCTIONS:
@@ -128,7 +133,7 @@ def router_logits(rule: RoutingRule, x: torch.Tensor, weight: torch.Tensor, bias
 def scores_from_logits(rule: RoutingRule, logits: torch.Tensor) -> torch.Tensor:
     """Per-expert routing scores (probabilities for softmax routers, gates for sigmoid routers)."""
     if rule.score == "softmax":
-        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        return torch.softmax(logits, dim=-1, dtype=logits.dtype if rule.softmax_in_logits_dtype else torch.float32)
     if rule.score == "sigmoid":
         return (logits.float() if rule.scores_fp32 else logits).sigmoid()
     if rule.score == "identity":
@@ -175,6 +180,20 @@ def _group_limit(
     if has_forced:
         keep = keep.index_fill(1, forced.to(keep.device), True)
     return masked, scores.masked_fill(~keep, 0.0)
+
+
+def topk_denominator(rule: RoutingRule, selected: torch.Tensor) -> torch.Tensor:
+    """What a renormalising rule divides the selected weights [N, k] by: their sum (or p-norm, ``renorm_p``),
+    clamped below at ``renorm_min``, plus ``renorm_eps``; [N, 1]."""
+    if rule.renorm_p is None:
+        denominator = selected.sum(dim=-1, keepdim=True)
+    else:
+        denominator = torch.norm(selected, p=rule.renorm_p, dim=-1, keepdim=True)
+    if rule.renorm_min is not None:
+        denominator = torch.clamp(denominator, min=rule.renorm_min)
+    if rule.renorm_eps:
+        denominator = denominator + rule.renorm_eps
+    return denominator
 
 
 def select_topk(
@@ -259,12 +278,7 @@ def select_topk(
     if rule.softmax_over_topk:
         weights = torch.softmax(weights, dim=1, dtype=torch.float32 if rule.topk_softmax_fp32 else weights.dtype)
     if rule.renormalize:
-        denominator = weights.sum(dim=-1, keepdim=True)
-        if rule.renorm_min is not None:
-            denominator = torch.clamp(denominator, min=rule.renorm_min)
-        if rule.renorm_eps:
-            denominator = denominator + rule.renorm_eps
-        weights = weights / denominator
+        weights = weights / topk_denominator(rule, weights)
     if rule.scaling != 1.0:
         weights = weights * rule.scaling
     if rule.weights_in_logits_dtype:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .layout import LAYOUTS
 from .registry import NO_DENSE_TARGET, FamilySpec
 from .routing import RoutingRule
 
@@ -27,13 +28,13 @@ def _output_weighted(reason: str) -> Callable[[FamilySpec, RoutingRule], str | N
         if spec.weight_on_input else None
 
 
-def _gate_up_only(spec: FamilySpec, rule: RoutingRule) -> str | None:
+def _condensable(spec: FamilySpec, rule: RoutingRule) -> str | None:
     if spec.weight_on_input:
         return "condensed layers are shared + sum_e g_e E_e(x), fixed gates on the expert outputs; here the routing " \
                "weight scales the expert input, y = sum_e E_e(w_e x), which a fixed output gate does not reproduce"
-    if spec.expert_layout != "gate_up":
-        return "condensed layers support the gate_up expert layout only (GPT-OSS's clamped GLU with biases is not " \
-               "implemented)"
+    if LAYOUTS[spec.expert_layout].biases:
+        return "condensed layers compute act(gate) * up on the layout's role views, without expert biases (GPT-OSS's " \
+               "clamped GLU with biases is not implemented)"
     if spec.expert_act != "act_fn":
         return "condensed layers compute act(gate) * up; these experts use their own clamped gate (_apply_gate)"
     if spec.output_scaling_field:
@@ -63,7 +64,7 @@ UNDEFINED: dict[str, Callable[[FamilySpec, RoutingRule], str | None]] = {
         "Compressed Experts' mixture is sum_main w_i E_i(x * u), the router weight on the main experts' outputs and "
         "the auxiliary vectors on their input (and a top-1 router has no auxiliary expert at all)"),
     "condenser": _sparsemixer("selection biases and forced experts are not defined for sparsemixer routing"),
-    "condense": _gate_up_only,
+    "condense": _condensable,
     # calibration scores read from the router-weighted output norm w_e ||f_e(x)|| (f_e unweighted)
     "reap": _output_weighted("REAP scores an expert by its router-weighted output norm w_e norm(E_e(x)), the size of "
                              "its contribution to sum_e w_e E_e(x); use another score (e.g. ean_mean, es_act)"),

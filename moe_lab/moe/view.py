@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .layout import LAYOUTS, ExpertLayout
 from .registry import FamilySpec, family_spec
 from .routing import RoutingRule
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # DBRX: transformer.blocks.<i>
 
 
 def router_weight_of(router: nn.Module, attr: str) -> torch.Tensor:
@@ -80,12 +81,35 @@ class MoELayerView:
         return None if bias is None else bias.view(-1)  # ERNIE keeps it as [1, E]
 
     @property
+    def layout(self) -> ExpertLayout:
+        """How the routed experts' tensors are stored (registry ``expert_layout``)."""
+        return LAYOUTS[self.spec.expert_layout]
+
+    @property
+    def expert_module(self) -> nn.Module:
+        """The module owning the routed expert tensors (the experts module, or DBRX's ``experts.mlp``)."""
+        return self.layout.module(self.experts)
+
+    @property
     def gate_up_proj(self) -> torch.Tensor:
+        """The packed [E, 2I, H] (GPT-OSS: [E, H, 2I]) tensor; layouts without one raise, naming the layout."""
+        if not self.layout.packed:
+            raise AttributeError(f"{self.spec.model_type}'s experts ({self.layout.name} layout) have no packed "
+                                 "gate_up_proj: read MoELayerView.roles() or expert_parameters()")
         return self.experts.gate_up_proj
 
     @property
     def down_proj(self) -> torch.Tensor:
-        return self.experts.down_proj
+        """The routed experts' down projections: the packed tensor, or an [E, H, I] view of the layout's."""
+        return self.experts.down_proj if self.layout.packed else self.roles()[2]
+
+    @property
+    def expert_dtype(self) -> torch.dtype:
+        return next(iter(self.expert_parameters().values())).dtype
+
+    def roles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [E, I, H], up [E, I, H], down [E, H, I])``: views of the routed experts' SwiGLU factors."""
+        return self.layout.roles(self.experts, self.num_experts)
 
     @property
     def num_experts(self) -> int:
@@ -96,12 +120,13 @@ class MoELayerView:
         return self.rule.top_k
 
     def expert_parameters(self) -> dict[str, torch.Tensor]:
-        """Packed expert tensors (leading dim = expert), by attribute name."""
-        return {n: p for n, p in self.experts.named_parameters(recurse=False)}
+        """The routed expert tensors as [E, ...] views of the parameters (leading dim = expert), by attribute name
+        in :attr:`expert_module`."""
+        return self.layout.tensors(self.experts, self.num_experts)
 
 
 def layer_index(module_name: str) -> int:
-    """Decoder layer index parsed from a module path such as ``model.layers.3.mlp``."""
+    """Decoder layer index parsed from a module path such as ``model.layers.3.mlp`` (``transformer.blocks.3.ffn``)."""
     match = _LAYER_INDEX.search(module_name + ".")
     if match is None:
         raise ValueError(f"cannot find a decoder layer index in module path {module_name!r}")

@@ -185,7 +185,7 @@ def refuse_unsupported(module, kind: str) -> None:
     if kind == "fsdp":
         from torch.nn.utils import parametrize
 
-        if any(parametrize.is_parametrized(view.experts) for view in patch.views):
+        if any(parametrize.is_parametrized(view.expert_module) for view in patch.views):
             raise ValueError(f"{where}: LoRA on packed experts is a torch parametrization, which FSDP's flat "
                              "parameters do not support: use hardware=deepspeed_zero3, deepspeed_zero2 or gpu_ddp, "
                              "or method.lora.targets without experts")

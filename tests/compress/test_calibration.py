@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def _at(root, path: str):
 def _moe_blocks(model) -> dict:
     """{decoder layer: HF sparse-MoE block} (the registry's block class, the only family fact used here)."""
     block_class = family_spec(model.config.model_type).block_class
-    return {int(name.split("layers.")[1].split(".")[0]): module
+    return {int(re.search(r"(?:layers|blocks)\.(\d+)\.", name).group(1)): module  # DBRX: transformer.blocks.<i>
             for name, module in model.named_modules() if type(module).__name__ == block_class}
 
 
@@ -43,12 +44,15 @@ def _hf_moe_inputs(model, batch):
         entry = seen[layer] = {"block": block}
 
         def experts_hook(mod, args, entry=entry):
-            entry.update(x=args[0].detach().clone(), idx=args[1].detach().clone(), w=args[2].detach().clone())
+            x = args[0].detach().reshape(-1, args[0].shape[-1])  # DBRX passes [B, S, H]
+            entry.update(x=x.clone(), idx=args[1].detach().clone(), w=args[2].detach().clone())
 
         def block_hook(mod, args, entry=entry):
             entry["x"] = args[0].detach().reshape(-1, args[0].shape[-1]).clone()
 
         def router_hook(mod, args, out, entry=entry):
+            if isinstance(out, torch.Tensor):  # DBRX's router returns the logits alone
+                out = (out, None, None)
             z, w, idx = hf_router_output(spec, mod, out)
             entry["z"] = z.detach().reshape(-1, z.shape[-1]).clone()
             if spec.weight_on_input:
@@ -91,7 +95,7 @@ def _hf_expert_outputs(block64, x: torch.Tensor, spec) -> torch.Tensor:
     """f_e(x_t) [T, E, H] float64 for tokens ``x`` [T, H]: HF's own experts module (its eager code) of a float64
     copy of the block, each token sent to each expert e alone with weight 1 (one row per (token, expert) pair)."""
     T, H = x.shape
-    E = block64.experts.gate_up_proj.shape[0]
+    E = block64.experts.num_experts
     ones = torch.ones(T * E, 1, dtype=torch.float64)
     with torch.no_grad():
         if spec.weight_on_input:  # HF's dense bmm: every expert on its own copy of the tokens, weight 1
@@ -102,6 +106,8 @@ def _hf_expert_outputs(block64, x: torch.Tensor, spec) -> torch.Tensor:
 
 def _handwritten_applies(spec, config) -> bool:
     """The hand-written SwiGLU / GPT-OSS path below describes the family's experts (the registry says so)."""
+    if spec.expert_layout == "w1_v1_w2":
+        return config.ffn_config.ffn_act_fn.get("name") == "silu"
     return spec.expert_layout == "gpt_oss" or (
         spec.expert_act == "act_fn" and getattr(config, "hidden_act", None) == "silu")
 
@@ -117,6 +123,10 @@ def _expert_out(block, config, e, x):
     if family_spec(config.model_type).expert_layout == "transposed":  # [H, 2I] gate then up columns, [I, H] down
         gate, up = (x @ ex.gate_up_proj[e]).chunk(2)
         return (F.silu(gate) * up) @ ex.down_proj[e]
+    if hasattr(ex, "mlp"):  # DBRX: expert e owns rows e*I .. (e+1)*I-1 of w1 (gate), v1 (up) and w2 (down, [I, H])
+        rows = slice(e * ex.ffn_hidden_size, (e + 1) * ex.ffn_hidden_size)
+        w1, v1, w2 = ex.mlp.w1[rows], ex.mlp.v1[rows], ex.mlp.w2[rows]
+        return (F.silu(w1 @ x) * (v1 @ x)) @ w2
     I = ex.down_proj.shape[2]
     gu = ex.gate_up_proj[e] @ x
     return ex.down_proj[e] @ (F.silu(gu[:I]) * gu[I:])
@@ -141,7 +151,7 @@ def naive_stats(model, batches):
             scores.add(score)
             probs = z.double().sigmoid() if score == "sigmoid" else z.double().softmax(-1)
             block64 = copy.deepcopy(hf["block"]).double()
-            if hasattr(block64.experts, "config"):  # Llama 4's experts have no implementation switch (eager bmm)
+            if hasattr(block64.experts, "config"):  # Llama 4's and DBRX's experts have one eager path and no config
                 block64.experts.config._experts_implementation = "eager"  # the copy's own config (deepcopy)
             outputs = _hf_expert_outputs(block64, x, spec)
             E = z.shape[1]
@@ -185,7 +195,8 @@ def naive_stats(model, batches):
 def _tol(model):
     """fp32 dot products of length H and I, each a few ulps per term: relative error <= (H + I) eps."""
     c = model.config
-    inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    inter = (getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+             or c.ffn_config.ffn_hidden_size)  # DBRX
     return 4 * (c.hidden_size + inter) * EPS32
 
 

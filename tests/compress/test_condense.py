@@ -84,14 +84,23 @@ def test_missing_statistics_refused(ds):
 
 
 # condensed layer -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe"])
+def _packed_slices(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) copies, from the packed tensors or DBRX's w1 / v1 / w2 [E*I, H] rows."""
+    if hasattr(experts, "mlp"):  # DBRX: expert e owns rows e*I .. (e+1)*I-1; w2 is applied as h @ w2_e
+        E, I = experts.num_experts, experts.ffn_hidden_size
+        w1, v1, w2 = (w.detach().reshape(E, I, -1) for w in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2))
+        return torch.cat([w1, v1], dim=1).clone(), w2.transpose(1, 2).clone()
+    return experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe", pytest.param("dbrx", marks=pytest.mark.slow)])
 def test_condensed_layer_equals_shared_plus_fixed_gated_experts(family):
     model = build_tiny(family).eval()
     cal = calibrate(model, batches(1))
     view = find_moe_layers(model)[0]
     gates, _valid = fixed_gates(cal, view.index, "const")
     keep = [5, 0, 3]
-    gu, dn = view.gate_up_proj.detach().clone(), view.down_proj.detach().clone()
+    gu, dn = _packed_slices(view.experts)
     shared = copy.deepcopy(view.shared)
     shared_gate = copy.deepcopy(view.shared_gate)
     condense(model, cal, [view.index], {view.index: keep}, fallback="const")
@@ -104,11 +113,13 @@ def test_condensed_layer_equals_shared_plus_fixed_gated_experts(family):
     for e in keep:
         g, u = flat @ gu[e, :I].double().T, flat @ gu[e, I:].double().T
         want += gates[e] * ((F.silu(g) * u) @ dn[e].double().T)
-    s = F.linear(F.silu(F.linear(flat, shared.gate_proj.weight.double())) * F.linear(flat, shared.up_proj.weight.double()),
-                 shared.down_proj.weight.double())
-    if shared_gate is not None:
-        s = torch.sigmoid(F.linear(flat, shared_gate.weight.double())) * s
-    want = (want + s).reshape(x.shape)
+    if shared is not None:
+        s = F.linear(F.silu(F.linear(flat, shared.gate_proj.weight.double())) * F.linear(flat, shared.up_proj.weight.double()),
+                     shared.down_proj.weight.double())
+        if shared_gate is not None:
+            s = torch.sigmoid(F.linear(flat, shared_gate.weight.double())) * s
+        want = want + s
+    want = want.reshape(x.shape)
     with torch.no_grad():
         got = module(x).double()
     tol = 64 * FP32_EPS * want.abs().max()
@@ -278,6 +289,22 @@ def test_export_drops_unused_experts_and_reloads_identically(ds, tmp_path):
     assert not any(k.startswith("model.layers.1.mlp.experts") for k in state)
     back = load_condensed(tmp_path)
     assert torch.equal(logits(back, batch), ref)
+
+
+@pytest.mark.slow
+def test_dbrx_condensed_export_drops_unused_experts_and_reloads_identically(tmp_path):
+    """The same on DBRX (experts as w1 / v1 / w2 [E*I, H] rows): the condensed layer holds copies of the retained
+    experts' rows, the export none of experts.mlp, and the reload gives the same logits."""
+    model = build_tiny("dbrx").eval()
+    cal = calibrate(model, batches(1))
+    m = condense(copy.deepcopy(model), cal, [1], {1: [6, 2]}, fallback="const")
+    batch = random_batch(2, 8, seed=5)
+    ref = logits(m, batch)
+    export_condensed(m, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["transformer.blocks.1.ffn.gate_up_proj"].shape == (2, 64, 64)  # [K, 2I, H]
+    assert not any(k.startswith("transformer.blocks.1.ffn.experts") for k in state)
+    assert torch.equal(logits(load_condensed(tmp_path), batch), ref)
 
 
 def test_layer_trim_and_block_influence(ds):

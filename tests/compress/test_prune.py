@@ -66,10 +66,11 @@ def test_keep_all_is_the_identity_and_every_family_reloads_pruned(family, tmp_pa
     assert [v.num_experts for v in find_moe_layers(reloaded)] == [6] * len(find_moe_layers(teacher))
 
 
-# softmax-router families, GPT-OSS and Llama 4 (top-k of the logits, each weight the sigmoid of its own logit):
+# softmax-router families, GPT-OSS, DBRX and Llama 4 (top-k of the logits, each weight the sigmoid of its own logit):
 # slicing == masking the removed logits (DeepSeek-V3's sigmoid scores and correction bias and PhiMoE's sparsemixer
 # are not softmax over the logits)
-MASKABLE = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "gpt_oss", "mixtral", "llama4_text"]
+MASKABLE = ["olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "gpt_oss", "mixtral", "llama4_text",
+            pytest.param("dbrx", marks=pytest.mark.slow)]  # DBRX: softmax, top-k divided by its p-norm; experts as [E*I, H] row blocks
 
 
 @pytest.mark.parametrize("family", MASKABLE)

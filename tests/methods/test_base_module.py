@@ -20,12 +20,16 @@ def _independent_loss(model, batch, coef):
     logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
     ce = F.cross_entropy(logits, batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
     cfg = model.config
-    aux = load_balancing_loss_func(out.router_logits, cfg.num_local_experts if hasattr(cfg, "num_local_experts")
-                                   else cfg.num_experts, cfg.num_experts_per_tok, batch["attention_mask"])
+    if hasattr(cfg, "ffn_config"):  # DBRX: routing sizes in ffn_config
+        experts, top_k = cfg.ffn_config.moe_num_experts, cfg.ffn_config.moe_top_k
+    else:
+        experts = cfg.num_local_experts if hasattr(cfg, "num_local_experts") else cfg.num_experts
+        top_k = cfg.num_experts_per_tok
+    aux = load_balancing_loss_func(out.router_logits, experts, top_k, batch["attention_mask"])
     return ce + coef * aux
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", pytest.param("dbrx", marks=pytest.mark.slow)])  # DBRX: ffn_config.moe_loss_weight
 def test_aux_loss_added_exactly_once(family):
     model = build_tiny(family).eval()
     module = MoELightningModule(model, "sft", aux_loss_coef=0.25)
@@ -35,6 +39,24 @@ def test_aux_loss_added_exactly_once(family):
         got = module._step(batch, "train")
     expected = _independent_loss(model, batch, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dbrx_coefficient_reaches_the_config_path_and_hfs_own_loss():
+    """DBRX keeps its coefficient in ffn_config.moe_loss_weight and copies it into the model's router_aux_loss_coef
+    at init: the mapped coefficient must reach both, so HF's own loss is CE + 0.25 * aux."""
+    import moe_lab
+
+    model = build_tiny("dbrx").eval()
+    patch = moe_lab.apply(model, "sft")
+    assert patch.set_aux_loss_coef(0.25)
+    assert model.config.ffn_config.moe_loss_weight == 0.25 == model.router_aux_loss_coef
+    batch = random_batch()
+    with torch.no_grad():
+        out = model(**batch)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                         ignore_index=-100)
+    torch.testing.assert_close(out.loss, ce + 0.25 * out.aux_loss, rtol=1e-6, atol=1e-7)
 
 
 def test_aux_loss_off_gives_plain_response_ce():

@@ -20,7 +20,7 @@ from moe_lab.methods.compressed_experts import (
     load_compressed_experts,
 )
 from moe_lab.moe.block import ConventionalRouting, sparse_mixture
-from moe_lab.moe.experts import expert_forward
+from moe_lab.moe.experts import expert_forward, expert_intermediate_size
 from moe_lab.moe.view import find_moe_layers
 from tests.conftest import build_tiny, method_families, random_batch, tiny_model_cfg
 from tests.test_run import run_py
@@ -30,10 +30,13 @@ RTOL, ATOL = 1e-4, 1e-5  # fp32; the auxiliary average of ones is 1 up to roundi
 
 def _tiny(family: str, top_k: int = 4):
     """Tiny model with 4 experts per token (2 main + 2 auxiliary), except phimoe (sparsemixer is top-2); the top-k
-    is set under the name the tiny config gives it (num_experts_per_token: Kimi-Linear, moe_topk: Hunyuan)."""
+    is set under the name the tiny config gives it (num_experts_per_token: Kimi-Linear, moe_topk: Hunyuan,
+    ffn_config.moe_top_k: DBRX)."""
     if family == "phimoe":
         return build_tiny(family)
     named = tiny_model_cfg(family).config
+    if "ffn_config" in named:  # DBRX: ffn_config.moe_top_k
+        return build_tiny(family, ffn_config={**named.ffn_config, "moe_top_k": top_k})
     field = next((k for k in ("num_experts_per_token", "moe_topk") if k in named), "num_experts_per_tok")
     return build_tiny(family, **{field: top_k})
 
@@ -167,6 +170,10 @@ def _hand_expert(view, e, x_gate, x_up, family):
         up = (x_up @ w[:, 1::2] + b[1::2]).clamp(-experts.limit, experts.limit)
         return (up + 1) * gate * torch.sigmoid(gate * experts.alpha), \
             lambda h: h @ view.down_proj[e] + view.experts.down_proj_bias[e]
+    if family == "dbrx":  # expert e owns rows e*I .. (e+1)*I-1 of w1 (gate), v1 (up), w2 (down, applied as h @ W)
+        mlp, size = view.experts.mlp, view.experts.ffn_hidden_size
+        w1, v1, w2 = (w[e * size:(e + 1) * size] for w in (mlp.w1, mlp.v1, mlp.w2))
+        return torch.nn.functional.silu(w1 @ x_gate) * (v1 @ x_up), lambda h: h @ w2
     size = view.down_proj.shape[2]  # [2I, H]: gate rows then up rows, SiLU
     gate, up = view.gate_up_proj[e][:size] @ x_gate, view.gate_up_proj[e][size:] @ x_up
     return torch.nn.functional.silu(gate) * up, lambda h: view.down_proj[e] @ h
@@ -179,6 +186,9 @@ def _hand_block(view, x, vectors, k_main, three, family):
     if family == "gpt_oss":  # top-k on the biased logits, softmax over the selected ones
         top_logits, top_i = (x @ router.weight.T + router.bias).topk(view.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
+    elif family == "dbrx":  # softmax top-k divided by the top-k's 1-norm (moe_normalize_expert_weights=1)
+        top_w, top_i = torch.softmax(x @ router.layer.weight.T, dim=-1).topk(view.top_k, dim=-1)
+        top_w = top_w / top_w.abs().sum(dim=-1, keepdim=True)
     else:
         top_w, top_i = torch.softmax(x @ router.weight.T, dim=-1).topk(view.top_k, dim=-1)
     rows = []
@@ -197,17 +207,17 @@ def _hand_block(view, x, vectors, k_main, three, family):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", pytest.param("dbrx", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("form", ["input", "gate_up_intermediate"])
 def test_layer_and_vector_gradients_match_a_hand_written_oracle(form, family):
     """Non-trivial vectors: the layer output and the gradients of vectors, input and expert weights equal
     autograd through a per-token formula written out by hand (2 main + 2 auxiliary experts; concatenated
-    SiLU experts and GPT-OSS's interleaved, biased, clamped ones), for both forms: one input vector per
+    SiLU experts, GPT-OSS's interleaved, biased, clamped ones and DBRX's w1 / v1 / w2 rows), for both forms: one input vector per
     expert (H parameters) and gate-input / up-input / intermediate vectors (2H + I)."""
     model = _tiny(family)
     patch = moe_lab.apply(model, "compressed_experts", form=form)
     sizes = {k: v.shape for k, v in patch.layers[0].compressed_experts.stacked().items()}
-    hidden, inter = model.config.hidden_size, patch.views[0].down_proj.shape[1 if family == "gpt_oss" else 2]
+    hidden, inter = model.config.hidden_size, expert_intermediate_size(patch.views[0])
     assert sizes == ({"input_scale": (8, hidden)} if form == "input" else
                      {"input_scale": (8, hidden), "up_input_scale": (8, hidden), "act_scale": (8, inter)})
     view, block = patch.views[0], patch.layers[0]
@@ -220,19 +230,20 @@ def test_layer_and_vector_gradients_match_a_hand_written_oracle(form, family):
     out = block(x)
     out = out[0] if isinstance(out, tuple) else out
     (out * upstream).sum().backward()
-    ours = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in view.expert_parameters().items()},
+    expert_params = dict(view.expert_module.named_parameters(recurse=False))  # the tensors, not [E, ...] views
+    ours = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in expert_params.items()},
             "vectors": {k: torch.stack([p.grad for p in getattr(block.compressed_experts, k)])
                         for k in block.compressed_experts.stacked()}}
 
     x2 = x.detach().clone().requires_grad_(True)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in block.compressed_experts.stacked().items()}
-    for param in view.expert_parameters().values():
+    for param in expert_params.values():
         param.grad = None
     y = _hand_block(view, x2.reshape(-1, x2.shape[-1]), leaves, 2, form == "gate_up_intermediate", family)
     torch.testing.assert_close(out.detach().reshape(-1, x.shape[-1]), y.detach(), rtol=RTOL, atol=ATOL)
     (y * upstream.reshape(-1, x.shape[-1])).sum().backward()
     torch.testing.assert_close(ours["x"], x2.grad, rtol=1e-4, atol=1e-5)
-    for name, param in view.expert_parameters().items():
+    for name, param in expert_params.items():
         torch.testing.assert_close(ours[name], param.grad, rtol=1e-4, atol=1e-5, msg=name)
     for kind, grad in ours["vectors"].items():
         assert grad.abs().sum() > 0, kind

@@ -20,7 +20,8 @@ DEFINED, REFUSED = method_families("densemixer")
 def _hf_expert_output(experts, x, e):
     """Expert e on every token, computed by the HF packed-experts module itself (weight 1)."""
     n = x.shape[0]
-    return experts(x, torch.full((n, 1), e, dtype=torch.long), torch.ones(n, 1, dtype=x.dtype))
+    out = experts(x, torch.full((n, 1), e, dtype=torch.long), torch.ones(n, 1, dtype=x.dtype))
+    return out.reshape(n, -1)  # DBRX's experts return [n, 1, H]
 
 
 def _oracle_dense_weights(rule, logits, indices):
@@ -37,8 +38,10 @@ def _oracle_dense_weights(rule, logits, indices):
     else:
         num = torch.sigmoid(lf) if rule.score == "sigmoid" else torch.softmax(lf, dim=-1)
         norm = torch.ones_like(lf[:, :1])
-        if rule.renormalize:
-            norm = (num * selected).sum(-1, keepdim=True)
+        if rule.renormalize:  # the top-k sum, or their p-norm (DBRX's moe_normalize_expert_weights)
+            top = num * selected
+            norm = top.sum(-1, keepdim=True) if rule.renorm_p is None else top.norm(p=rule.renorm_p, dim=-1,
+                                                                                      keepdim=True)
             norm = norm if rule.renorm_min is None else norm.clamp(min=rule.renorm_min)
             norm = norm + rule.renorm_eps
     return torch.where(selected, num / norm, num / norm.detach()) * rule.scaling
@@ -54,10 +57,12 @@ def _hf_block(patch):
     seen = {}
 
     def on_router(module, args, out):
-        seen["route"] = tuple(t.reshape(-1, t.shape[-1]) for t in out)
+        seen["route"] = tuple(t.reshape(-1, t.shape[-1]) for t in out) if isinstance(out, tuple) else out
 
     def on_experts(module, args, out):
-        seen["x"], seen["mix"] = args[0], out
+        seen["x"], seen["mix"] = args[0].reshape(-1, args[0].shape[-1]), out  # DBRX passes [B, S, H]
+        if isinstance(seen["route"], torch.Tensor):  # a router returning logits alone (DBRX): the block's top-k
+            seen["route"] = (seen["route"], args[2], args[1])
 
     router.register_forward_hook(on_router)
     block.experts.register_forward_hook(on_experts)
@@ -86,9 +91,15 @@ def _length(view, tokens):
     return 2 * view.config.hidden_size + expert_intermediate_size(view) + view.num_experts + tokens
 
 
+# DBRX dividing its top-k by their 2-norm (moe_normalize_expert_weights=2): inactive experts see stopgrad(||s_topk||)
+DBRX_P2 = {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                          "moe_normalize_expert_weights": 2.0}}
+
+
 @pytest.mark.parametrize("gradient", ["straight_through", "paper_eq15"])
-@pytest.mark.parametrize("family", DEFINED)
-def test_block_matches_dense_autograd_oracle(family, gradient):
+@pytest.mark.parametrize("family,overrides", [*((f, {}) for f in DEFINED), pytest.param("dbrx", DBRX_P2, marks=pytest.mark.slow)],
+                         ids=[*DEFINED, "dbrx-p2"])
+def test_block_matches_dense_autograd_oracle(family, overrides, gradient):
     """Every family DenseMixer is defined for, both router-gradient estimators.
 
     Oracle: the surrogate loss <g, y_hf> + sum_(token, e) stopgrad(A_e) * w_e on HF's own block, with w the
@@ -97,7 +108,7 @@ def test_block_matches_dense_autograd_oracle(family, gradient):
     A = (1 - M_e) <g_mix, E_e(x)> (straight-through: every expert gets <g_mix, E_e(x)>, the selected ones through
     HF's own sparse path) or A = w_e <g_mix, E_e(x)> (Eq. 15: (w_e + M_e) <g_mix, E_e(x)>, the M_e part again
     through HF's path); E_e run by HF's packed experts."""
-    vanilla = build_tiny(family).train()
+    vanilla = build_tiny(family, **overrides).train()
     ours = copy.deepcopy(vanilla)
     patch = moe_lab.apply(ours, "densemixer", gradient=gradient)
     block, view = patch.layers[0], patch.views[0]

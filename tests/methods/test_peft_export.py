@@ -80,3 +80,23 @@ def test_packed_factors_in_peft_layout(tmp_path):
     by_hand = torch.stack([b.reshape(b.shape[0], -1, e)[:, :, i] @ a.reshape(e, -1, a.shape[1])[i]
                            for i in range(e)]) * lora.scale
     assert torch.equal(by_hand, delta)
+
+
+@pytest.mark.slow
+def test_row_blocked_experts_get_no_peft_adapter_and_say_why(tmp_path, caplog):
+    """DBRX's experts are [E*I, H] row blocks: PEFT's target_parameters would give each tensor ONE LoRA pair, so
+    no adapter is written (a warning names the reason) and the merged export still reloads in vanilla HF."""
+    import transformers
+
+    import moe_lab
+
+    model = build_tiny("dbrx")
+    patch = moe_lab.apply(model, "sft", lora={"rank": 2, "targets": ["experts", "attention"]})
+    with caplog.at_level("WARNING", logger="moe_lab.methods.peft_export"):
+        out = patch.export(tmp_path / "export")
+    assert not (out / ADAPTER_DIR).exists()
+    assert "stores its experts as row blocks of a 2-D tensor" in caplog.text
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    batch = random_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model.eval()(**batch).logits, rtol=1e-5, atol=1e-6)

@@ -41,6 +41,16 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     # training-time input jitter (Mixtral once, PhiMoE twice) drawn from the same generator state
     ("mixtral", {"router_jitter_noise": 0.1}, torch.float32),
     ("phimoe", {"input_jitter_noise": 0.1}, torch.float32),
+    # DBRX: jitter applied by its router in place (moe_jitter_eps), and a p-norm (p=2) in place of the top-k sum
+    pytest.param("dbrx", {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                         "moe_jitter_eps": 0.1, "moe_normalize_expert_weights": 2.0}}, torch.float32,
+                 marks=pytest.mark.slow),
+    pytest.param("dbrx", {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                         "moe_normalize_expert_weights": None}}, torch.bfloat16, marks=pytest.mark.slow),
+    # moe_jitter_eps=0.0 still draws (HF tests `is not None`): the residual dropout after it sees the same RNG state
+    pytest.param("dbrx", {"resid_pdrop": 0.1, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8,
+                                                             "moe_top_k": 2, "moe_jitter_eps": 0.0}},
+                 torch.float32, marks=pytest.mark.slow),
     # Cohere2-MoE's other selection function (sigmoid of the top-k logits) with summed shared experts
     ("cohere2_moe", {"expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}, torch.float32),
     # Llama 4's input-scaled routing beyond its checkpoints' top-1: two weight-scaled expert inputs summed per token
@@ -51,8 +61,10 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
 
 def _variant_id(value):
     if isinstance(value, dict):
+        value = {**value, **value.get("ffn_config", {})}
         return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method",
-                                                                        "expert_selection_fn") or "jitter" in k) or "default"
+                                                                        "expert_selection_fn", "moe_normalize_expert_weights")
+                        or "jitter" in k) or "default"
     return str(value).removeprefix("torch.")
 
 

@@ -55,7 +55,7 @@ def test_expert_slice_forward_equals_hf_experts(family):
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     for e in (0, view.num_experts - 1):
         idx = torch.full((5, 1), e)
-        expected = expert_mixture(view, x, torch.ones(5, 1), idx)
+        expected = expert_mixture(view, x, torch.ones(5, 1), idx)  # HF's experts module (DBRX's [N, 1, H] viewed as [N, H])
         # the same per-expert operations as HF's packed loop (weight 1.0, added into zeros): bit for bit
         assert torch.equal(expert_forward(view, e, x), expected)
 

@@ -30,7 +30,8 @@ def _holders(model) -> list[torch.nn.Module]:
 def _router(holder, hidden: int) -> torch.nn.Module:
     """The module (outside the experts) owning a [num_experts, hidden] weight under ``holder``: the router."""
     experts = set(holder.experts.modules())
-    num_experts = next(holder.experts.parameters()).shape[0]
+    # packed [E, ...] expert tensors; DBRX's [E*I, H] rows: its experts module's own num_experts
+    num_experts = getattr(holder.experts, "num_experts", None) or next(holder.experts.parameters()).shape[0]
     owners = [m for m in holder.modules() if m not in experts
               and any(p.shape == (num_experts, hidden) for p in m.parameters(recurse=False))]
     assert len(owners) == 1, f"{type(holder).__name__}: expected one router weight, found {len(owners)}"
