@@ -46,6 +46,21 @@ def _lora_linears(model) -> list[tuple[str, int, int]]:
             if isinstance(m, torch.nn.Linear) and id(m) not in routers and m is not out_emb]
 
 
+def _compressed_experts_costs(counts: ParamCounts, opts: Options, row, experts, f_rest: int, b_rest: int) -> dict:
+    """Compressed Experts' row: ``k_main`` experts run (default k // 2), the others as scaling vectors."""
+    km = {s.layer: opts.k_main or s.top_k // 2 for s in counts.experts}
+    for s in counts.experts:
+        if not 1 <= km[s.layer] < s.top_k:
+            raise ValueError(f"task.methods.k_main={opts.k_main} must be in 1..top_k-1 (top_k={s.top_k})")
+    if opts.compressed_form not in ("input", "gate_up_intermediate"):
+        raise ValueError(f"task.methods.compressed_form={opts.compressed_form!r}: choose input or gate_up_intermediate")
+    vec = sum(s.num_experts * (s.hidden if opts.compressed_form == "input" else 2 * s.hidden + s.width)
+              for s in counts.experts)
+    return row(
+        f_rest + experts(lambda s: km[s.layer]), b_rest + 2 * experts(lambda s: km[s.layer]), counts.total + vec,
+        sum(km.values()), note=f"k_main experts run ({opts.compressed_form} vectors: {vec:,} parameters)")
+
+
 def method_costs(model, counts: ParamCounts, trained, frozen, opts: Options, student=None) -> dict[str, dict]:
     """Per-token FLOPs (forward / backward), trainable parameters and expert activations per method."""
     t = trained.tokens
@@ -75,16 +90,9 @@ def method_costs(model, counts: ParamCounts, trained, frozen, opts: Options, stu
     n = opts.condenser_n
     out["condenser_append"] = row(f_rest + experts(lambda s: s.top_k + n), b_rest + 2 * experts(lambda s: s.top_k + n),
                                   counts.total, assign_k + n * len(k), note=f"|S| = k + {n}")
-    km = {s.layer: opts.k_main or s.top_k // 2 for s in counts.experts}
-    for s in counts.experts:
-        if not 1 <= km[s.layer] < s.top_k:
-            raise ValueError(f"task.methods.k_main={opts.k_main} must be in 1..top_k-1 (top_k={s.top_k})")
-    if opts.compressed_form not in ("input", "gate_up_intermediate"):
-        raise ValueError(f"task.methods.compressed_form={opts.compressed_form!r}: choose input or gate_up_intermediate")
-    vec = sum(s.num_experts * (h if opts.compressed_form == "input" else 2 * h + s.width) for s in counts.experts)
-    out["compressed_experts"] = row(
-        f_rest + experts(lambda s: km[s.layer]), b_rest + 2 * experts(lambda s: km[s.layer]), counts.total + vec,
-        sum(km.values()), note=f"k_main experts run ({opts.compressed_form} vectors: {vec:,} parameters)")
+    if opts.k_main is not None or all(s.top_k >= 2 for s in counts.experts):
+        out["compressed_experts"] = _compressed_experts_costs(counts, opts, row, experts, f_rest, b_rest)
+    # else left out: a top-1 router runs no auxiliary expert, so Compressed Experts is undefined (the method refuses)
     share = opts.esft_assignment_share
     out["esft"] = row(
         sft_f, b_frozen + experts(lambda s: s.top_k) + share * experts(lambda s: s.top_k),

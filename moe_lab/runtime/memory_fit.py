@@ -79,6 +79,10 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
     def rows(ranks: int) -> dict:
         # the ddp row does not depend on the number of ranks: one estimate serves both when the run is unsharded
         result = _estimate(model, seq_len, batch, ranks, dtype, n, method == "kd")
+        if method not in result["methods"]:
+            raise ValueError(f"method {cfg.method.get('name')}: {method} is not defined for this model's routing "
+                             f"(model={cfg.model.get('name')}; a top-1 router has no auxiliary expert): choose "
+                             "another method")
         return {r["strategy"]: r for r in result["methods"][method]["memory"] if r["activation_checkpointing"] == ckpt}
 
     alternatives = rows(alt)

@@ -253,3 +253,15 @@ def test_plan_predicts_the_run(preset, tmp_path):
     counts = planned["data"]["overflow"]["train"]
     assert done["data"]["train"] == {"kept": counts.get("kept", 0), "truncated": counts.get("truncated", 0),
                                      "dropped": counts.get("too_long", 0) + counts.get("no_labels", 0)}
+
+
+def test_memory_preflight_of_a_top1_family(h100):
+    """Llama 4 routes top-1: Compressed Experts (k_main in 1..k-1) is undefined there. The memory preflight of an
+    sft run on one GPU estimates every method's row; it crashed on that one (H100 run: `model=tiny_llama4_text
+    hardware=deepspeed_zero3` died with "task.methods.k_main=None must be in 1..top_k-1"). The row is left out,
+    and a run that asks for that method is refused by name."""
+    cfg = _gpu_run("model=tiny_llama4_text", "hardware=deepspeed_zero3", "hardware.trainer.devices=1")
+    memory_fit.check_memory(cfg)
+    assert memory_fit.memory_estimate(cfg, 1)["gpu_gb"] > 0
+    with pytest.raises(ValueError, match="compressed_experts is not defined for this model's routing"):
+        memory_fit.memory_estimate(_gpu_run("model=tiny_llama4_text", "method=compressed_experts"), 1)
