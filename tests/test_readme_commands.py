@@ -385,10 +385,9 @@ def run_plan(plan: Path) -> None:
     results, queue, deferred = [], list(spec["commands"]), set()
     started = 0.0
     while queue:
-        if int(time.time()) == int(started):  # run dirs are named to the second: two runs started in one second
+        if int(time.time()) == int(started):  # run dirs are named to the second: two runs in one second
             time.sleep(1.01 - time.time() % 1)  # would share a dir, and the second refuses to overwrite the first
         command, t0 = queue.pop(0), time.time()
-        started = t0
         try:
             env, argv = substitute(command, data)
             print(f"\n==== README command: {command}\n==== runs as: {' '.join(argv)}", flush=True)
@@ -404,6 +403,8 @@ def run_plan(plan: Path) -> None:
         except Exception as err:  # noqa: BLE001 - reported per command
             print(f"==== error: {err.__class__.__name__}: {err}", flush=True)
             rc, argv = 1, []
+        # the run dir's second is taken after t0 (when Hydra starts): the next command starts after this one's end
+        started = time.time()
         results.append({"command": command, "argv": argv, "rc": rc, "seconds": round(time.time() - t0, 1)})
         print(f"==== rc={rc} in {results[-1]['seconds']} s", flush=True)
         Path(str(plan) + ".results.json").write_text(json.dumps(results, indent=1))
