@@ -25,9 +25,6 @@ MATRIX_BEGIN, MATRIX_END = "<!-- families:begin -->", "<!-- families:end -->"
 _COMPOSITE = "composite multimodal config: its text decoder is model_type {}"
 # model_type -> why moe-lab has no registry entry for it (what the uniform view cannot express yet)
 REFUSED: dict[str, str] = {
-    "aria_text": "not added yet (no registry entry, tiny config or conformance tests): its experts are the "
-                 "'transposed' layout of llama4_text ([E, H, 2I] applied as x @ W, no biases) weighted on the output, "
-                 "a softmax over the top-k logits (moe_topk) and shared experts",
     "jetmoe": "mixture of attention heads plus parallel experts (input_linear / output_linear split by expert "
               "size) with an output bias",
     "deepseek_v4": "hash-routed layers choose experts from the token id (tid2eid; the block needs input_ids); "

@@ -8,8 +8,8 @@ exports reach the model.
 
 Roles (``gate`` [E, I, H], ``up`` [E, I, H], ``down`` [E, H, I]) name the SwiGLU factors in every layout as views
 too, for computations that need them (per-expert forwards, weight statistics). Packed layouts differ in three
-flags: ``transposed`` (stored [E, in, out], applied as x @ W: GPT-OSS, Llama 4), ``interleaved`` (gate / up
-columns alternate: GPT-OSS; else gate rows / columns, then up) and ``biases`` (GPT-OSS).
+flags: ``transposed`` (stored [E, in, out], applied as x @ W: GPT-OSS, Llama 4, Aria), ``interleaved`` (gate /
+up columns alternate: GPT-OSS; else gate rows / columns, then up) and ``biases`` (GPT-OSS).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class FamilySpec:
     routing_rule: Callable[[object], RoutingRule]  # built from the HF config
     # how the routed experts' tensors are stored (moe_lab.moe.layout.LAYOUTS): "gate_up": packed [E, 2I, H] chunked,
     # F.linear; "gpt_oss": packed [E, H, 2I] interleaved + biases; "transposed": packed gate_up [E, H, 2I] (gate
-    # columns, then up columns) and down [E, I, H], applied as x @ W, no biases (Llama 4); "w1_v1_w2": three
+    # columns, then up columns) and down [E, I, H], applied as x @ W, no biases (Llama 4, Aria); "w1_v1_w2": three
     # [E*I, H] tensors in experts.mlp (DBRX)
     expert_layout: str = "gate_up"
     shared_attr: str | None = None  # shared expert module(s)
@@ -246,6 +246,13 @@ def _gpt_oss_rule(config) -> RoutingRule:
         num_experts=_num_experts(config),
         softmax_over_topk=True,
     )
+
+
+def _aria_rule(config) -> RoutingRule:
+    """Aria's AriaTextTopKRouter: top-k of the raw logits (moe_topk of moe_num_experts), softmax over them in the
+    logits dtype (GPT-OSS's rule without its router bias)."""
+    return RoutingRule(score="identity", top_k=config.moe_topk, num_experts=config.moe_num_experts,
+                       softmax_over_topk=True)
 
 
 def _granite_rule(config) -> RoutingRule:
@@ -635,6 +642,18 @@ _ADDED_OWN += (
                "moe_normalize_expert_weights), training jitter (moe_jitter_eps); experts as w1 / v1 / w2 [E*I, H] "
                "in experts.mlp (LoRA: merged export, no PEFT adapter); clip_qkv attention",
                real_checkpoints=("transformers-community/dbrx-instruct",)),
+)
+_ADDED_OWN += (
+    FamilySpec("aria_text", "AriaTextMoELayer", "router", _aria_rule, expert_layout="transposed",
+               shared_attr="shared_experts", aux_loss="switch", aux_loss_field=None,
+               expert_count_path="moe_num_experts", top_k_path="moe_topk",
+               dense_target=DenseTarget("k_experts", _k_experts("moe_num_experts", "moe_topk"),
+                                        note="intermediate_size also sizes the shared experts (times "
+                                        "moe_num_shared_experts): k-expert Aria"),
+               notes="top-k (moe_topk) of the logits, softmax over the top-k in the logits dtype, weights on the "
+               "expert output; experts [E, H, 2I] applied as x @ W, always SiLU; ungated shared experts "
+               "(moe_num_shared_experts x intermediate_size, hidden_act) added after them; HF computes no aux loss "
+               "(native 0; an explicit coefficient adds the Switch loss)"),
 )
 # model_type -> why its family has no dense_target (every supported family has one or a reason here)
 NO_DENSE_TARGET: dict[str, str] = {

@@ -11,17 +11,18 @@ import transformers
 from torch.utils.data import DataLoader
 
 from moe_lab.distill import widen_teacher
+from moe_lab.moe.registry import config_value, family_spec, routing_size_paths
 from tests.conftest import build_tiny, random_batch
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss", "olmoe", "phimoe",
-                                    pytest.param("dbrx", marks=pytest.mark.slow)])
+                                    *(pytest.param(f, marks=pytest.mark.slow) for f in ("dbrx", "aria_text"))])
 def test_k_prime_equal_k_is_the_teacher(family):
     model = build_tiny(family).eval()
     batch = random_batch()
     with torch.no_grad():
         ref = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        k = getattr(model.config, "num_experts_per_tok", None) or model.config.ffn_config.moe_top_k  # DBRX
+        k = config_value(model.config, routing_size_paths(family_spec(family), model.config)[1])  # DBRX, Aria
         patch = widen_teacher(model, k)
         got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert torch.equal(got, ref)

@@ -24,9 +24,10 @@ from tests.conftest import build_tiny, random_batch
 # olmoe: packed experts only, a trained router; deepseek_v3: dense MLP + shared experts whose names PEFT
 # rewrites for v5 (targeted as parameters), router with a correction-bias buffer; gpt_oss: [E, in, out]
 # experts; qwen2_moe: a shared expert as a plain PEFT target module; llama4_text: [E, in, out] experts without HF's
-# is_transposed flag, a router that is an nn.Linear subclass, dense MLP layers between the MoE ones.
+# is_transposed flag, a router that is an nn.Linear subclass, dense MLP layers between the MoE ones; aria_text:
+# [E, in, out] experts with the flag, chunked gate / up columns, shared experts as plain PEFT target modules.
 CASES = [("olmoe", "sft"), ("deepseek_v3", "sft"), ("gpt_oss", "sft"), ("qwen2_moe", "frozen_router"),
-         pytest.param("llama4_text", "sft", marks=pytest.mark.slow)]
+         *(pytest.param(f, "sft", marks=pytest.mark.slow) for f in ("llama4_text", "aria_text"))]
 
 
 def _train(family: str, method: str) -> MoELightningModule:

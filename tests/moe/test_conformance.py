@@ -56,15 +56,19 @@ VARIANTS = [(f, {}, torch.float32) for f in ALL_FAMILIES] + [
     # Llama 4's input-scaled routing beyond its checkpoints' top-1: two weight-scaled expert inputs summed per token
     ("llama4_text", {"num_experts_per_tok": 2}, torch.float32),
     pytest.param("llama4_text", {"num_experts_per_tok": 2}, torch.bfloat16, marks=pytest.mark.slow),
+    # Aria: routed experts always SiLU while the shared experts follow hidden_act; top-3 softmax over the top-k
+    ("aria_text", {"hidden_act": "gelu", "moe_topk": 3}, torch.float32),
 ]
+
+
+_ID_FIELDS = ("num_experts_per_tok", "topk_method", "expert_selection_fn", "moe_normalize_expert_weights",
+              "hidden_act", "moe_topk")
 
 
 def _variant_id(value):
     if isinstance(value, dict):
         value = {**value, **value.get("ffn_config", {})}
-        return ",".join(f"{k}={v}" for k, v in value.items() if k in ("num_experts_per_tok", "topk_method",
-                                                                        "expert_selection_fn", "moe_normalize_expert_weights")
-                        or "jitter" in k) or "default"
+        return ",".join(f"{k}={v}" for k, v in value.items() if k in _ID_FIELDS or "jitter" in k) or "default"
     return str(value).removeprefix("torch.")
 
 

@@ -19,7 +19,7 @@ def _same_storage(view_tensor: torch.Tensor, param: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "llama4_text",
-                                    pytest.param("dbrx", marks=pytest.mark.slow)])
+                                    *(pytest.param(f, marks=pytest.mark.slow) for f in ("dbrx", "aria_text"))])
 def test_expert_tensors_and_roles_are_views_of_the_parameters(family):
     view = find_moe_layers(build_tiny(family))[0]
     params = dict(view.expert_module.named_parameters(recurse=False))
@@ -61,28 +61,30 @@ def test_leading_mask_tiles_expert_blocks():
         leading_mask(mask, torch.zeros(10, 5))
 
 
-@pytest.mark.parametrize("family", ["llama4_text", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama4_text", "gpt_oss", pytest.param("aria_text", marks=pytest.mark.slow)])
 def test_transposed_roles_are_the_hand_indexed_columns_and_edits_reach_them(family):
-    """Llama 4 ('transposed': gate_up [E, H, 2I] gate columns then up, down [E, I, H]) and GPT-OSS (the same,
-    gate / up columns interleaved): the roles are transposed views of the packed tensors."""
+    """Llama 4 and Aria ('transposed': gate_up [E, H, 2I] gate columns then up, down [E, I, H]) and GPT-OSS (the
+    same, gate / up columns interleaved): the roles are transposed views of the packed tensors."""
     view = find_moe_layers(build_tiny(family))[0]
     experts = view.experts
+    chunked = family != "gpt_oss"
     gate, up, down = view.roles()
     I = gate.shape[1]
     for e in (0, view.num_experts - 1):
         w = experts.gate_up_proj[e]
-        gate_cols, up_cols = (w[:, :I], w[:, I:]) if family == "llama4_text" else (w[:, 0::2], w[:, 1::2])
+        gate_cols, up_cols = (w[:, :I], w[:, I:]) if chunked else (w[:, 0::2], w[:, 1::2])
         assert torch.equal(gate[e], gate_cols.T) and torch.equal(up[e], up_cols.T)
         assert torch.equal(down[e], experts.down_proj[e].T)  # h @ down_proj[e] = F.linear(h, down_e)
     with torch.no_grad():
         up[1].zero_()
     w = experts.gate_up_proj[1]
-    assert not (w[:, I:] if family == "llama4_text" else w[:, 1::2]).any()
-    assert (w[:, :I] if family == "llama4_text" else w[:, 0::2]).abs().sum() > 0
+    assert not (w[:, I:] if chunked else w[:, 1::2]).any()
+    assert (w[:, :I] if chunked else w[:, 0::2]).abs().sum() > 0
     assert experts.gate_up_proj[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("family", ["olmoe", "llama4_text", pytest.param("dbrx", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["olmoe", "llama4_text",
+                                    *(pytest.param(f, marks=pytest.mark.slow) for f in ("dbrx", "aria_text"))])
 def test_concatenated_expert_is_the_alpha_weighted_sum(family):
     """compress.dense.concat_experts in each SwiGLU layout, float64: the one concatenated expert, applied by hand
     as the layout stores it, equals sum_g alpha_g E_g(x) (E_g: expert_forward, checked against HF's experts)."""
@@ -100,7 +102,7 @@ def test_concatenated_expert_is_the_alpha_weighted_sum(family):
         if family == "olmoe":  # [2kI, H] gate rows then up rows, [H, kI]
             gate, up = (x @ one["gate_up_proj"].T).chunk(2, dim=-1)
             y = (act(gate) * up) @ one["down_proj"].T
-        elif family == "llama4_text":  # [H, 2kI] gate columns then up columns, [kI, H]
+        elif family in ("llama4_text", "aria_text"):  # [H, 2kI] gate columns then up columns, [kI, H]
             gate, up = (x @ one["gate_up_proj"]).chunk(2, dim=-1)
             y = (act(gate) * up) @ one["down_proj"]
         else:  # DBRX: w1 / v1 / w2 [kI, H]
