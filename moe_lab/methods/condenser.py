@@ -434,7 +434,7 @@ def install_condenser(
     patch.condenser_routing = {"bias_mode": bias_mode, "budget": budget, "load": load}
     patch.bias_updater = BiasUpdater(patch, gamma, sign, center, select, load, selection, int(selection_updates),
                                      condenser_bias, update_every)
-    if update_every == "optimizer_step":  # micro_batch: the caller updates after every micro-batch
+    if update_every == "optimizer_step":  # micro_batch: CondenserModule.on_after_backward, every micro-batch
         patch.step_hooks.append(patch.update_biases)
     patch.export_hooks.append(functools.partial(_save_beside_export, patch))
 

@@ -34,7 +34,8 @@ class CondenserModule(MoELightningModule):
       alike; no gradients, so no optimizer, LR-schedule or global step is consumed; the global RNG and the
       loader's position are restored). At train start one line (rank zero) says when and how the condensers
       are chosen and on how many tokens.
-    * ``update_every=micro_batch`` (the public code): one bias update after every training micro-batch.
+    * ``update_every=micro_batch`` (the public code): one bias update after every training micro-batch's backward,
+      before the optimizer step it may end, hence inside that step's checkpoint.
     * At the end of training, rank zero writes ``<run dir>/condenser.json`` (biases, usage, condensers, routing
       options): the ``bias_file`` of a later run (``task=condenser_two_phase`` reads it); all ranks wait for it.
     """
@@ -172,7 +173,12 @@ class CondenserModule(MoELightningModule):
                 f"{selection_tokens(self.patch):,.0f} tokens before the choice; {rule}): {condenser_summary(chosen)}")
 
     # training ---------------------------------------------------------------------------------
-    def on_train_batch_end(self, outputs, batch, batch_idx):
+    def on_after_backward(self):
+        """``update_every=micro_batch``: the micro-batch's bias update, after its backward (an activation-checkpointed
+        forward recomputed there routes with the biases of its first pass). Not in ``on_train_batch_end``: Lightning
+        calls the callbacks' hook, which writes the step's checkpoint, before the module's, so the update of the
+        micro-batch that ends a step would miss that checkpoint and never be replayed on resume (issue 21)."""
+        super().on_after_backward()
         if self.patch.bias_updater.update_every == "micro_batch":
             self.patch.update_biases()
 

@@ -5,13 +5,17 @@ tests/data/test_data_resume.py, for every method, with weight decay and a warm-u
 from __future__ import annotations
 
 import functools
+import importlib
+import pkgutil
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from moe_lab.methods.base import sliced_weight_decay
+import moe_lab.methods
+from moe_lab.methods.base import MoELightningModule, sliced_weight_decay
 from tests.conftest import ROOT, build_tiny
 from tests.data.test_data_resume import chat_datamodule, train, write_chat_file
 
@@ -24,6 +28,13 @@ TASK = ["task.optim.lr=1e-2", "task.optim.weight_decay=0.1", "task.scheduler.nam
 CASES = {name: [f"method={name}"] for name in ("sft", "frozen_router", "sft_aux_free", "esft_gate", "esft_token",
                                                "densemixer", "compressed_experts")}
 CASES["condenser"] = ["method=condenser", "method.options.selection_updates=2"]
+# the public code's per-micro-batch bias update, with 2 micro-batches per optimizer step: the update of the
+# micro-batch that ends a step must be in that step's checkpoint (issue 21 item 12). condenser_bias=updating (as the
+# public code): with budget=replace the condensers then take every token and every update moves all biases (frozen
+# condenser biases would leave the others, which get no tokens, unchanged, and a missed update unseen in them)
+CASES["condenser_micro_batch"] = [*CASES["condenser"], "method.options.update_every=micro_batch",
+                                  "method.options.condenser_bias=updating"]
+ACCUMULATE = {"condenser_micro_batch": 2}
 CASES["sft_lora"] = ["method=sft", "method.lora={rank:4,alpha:8}"]
 CASES["esft_token_lora"] = ["method=esft_token", "+method.options.experts={0:[0,2,3],1:[1,5]}",
                             "method.lora={rank:4,alpha:8}"]
@@ -70,15 +81,38 @@ def test_every_method_resumes_bitwise(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the resumed run's artefacts (esft_selection.json, condenser.json) go to its cwd
     chat = write_chat_file(tmp_path)
     make = functools.partial(_module, case)
-    straight = _state(*train(chat_datamodule(chat), make, ckpt_dir=str(tmp_path), save_every=STEPS // 2,
-                             max_steps=STEPS, **CLIP))
+    limits = {"max_steps": STEPS, "accumulate_grad_batches": ACCUMULATE.get(case, 1), **CLIP}
+    straight = _state(*train(chat_datamodule(chat), make, ckpt_dir=str(tmp_path), save_every=STEPS // 2, **limits))
     module, trainer = train(chat_datamodule(chat), make, ckpt_path=str(tmp_path / f"step={STEPS // 2}.ckpt"),
-                            max_steps=STEPS, **CLIP)
+                            **limits)
     resumed = _state(module, trainer)
+    if case.startswith("condenser"):  # the router biases and their update count, named before the whole state
+        biases = {k: v for k, v in straight["weights"].items() if k.endswith((".mlp.bias", ".mlp.bias_updates"))}
+        assert biases, "no router biases found"
+        if case == "condenser_micro_batch":  # 2 pre-phase updates + one per micro-batch: 3 per epoch (windows 2, 1)
+            assert [int(v) for k, v in biases.items() if k.endswith("bias_updates")] == [2 + 6] * 2
+        assert_bitwise_equal(biases, {k: resumed["weights"][k] for k in biases}, f"{case} biases")
     assert straight["optimizer"]["state"], "nothing was trained"
     if case.startswith("esft"):  # the optimizer steps only the trained expert slices (leaf views of them)
         assert module.optimizer_layout == "sliced"
     assert_bitwise_equal(straight, resumed, case)
+
+
+def test_no_method_module_changes_state_in_on_train_batch_end():
+    """Lightning calls the callbacks' ``on_train_batch_end`` (which write the step's periodic, signal and last
+    checkpoints) before the LightningModule's: state a method changed there would miss that step's checkpoint and not
+    be replayed on resume (the condenser's micro-batch bias update did, issue 21). Per-micro-batch work belongs in
+    ``on_after_backward``, per-step work in ``optimizer_step`` (``MoEPatch.step_hooks``)."""
+    for info in pkgutil.iter_modules(moe_lab.methods.__path__):
+        importlib.import_module(f"moe_lab.methods.{info.name}")
+    modules, seen = [MoELightningModule], []
+    while modules:
+        cls = modules.pop()
+        seen.append(cls)
+        modules.extend(cls.__subclasses__())
+    assert len(seen) > 3, seen  # sft's base, the condenser's, esft's, distill's ...
+    offenders = [cls.__qualname__ for cls in seen if cls.on_train_batch_end is not L.LightningModule.on_train_batch_end]
+    assert not offenders, f"on_train_batch_end overridden by {offenders}: it runs after the step's checkpoint"
 
 
 def test_sliced_weight_decay_uses_the_current_lr_after_the_optimizer_state_is_loaded():

@@ -7,8 +7,10 @@ Each run is ``python run.py <overrides>`` exactly, forked from one server proces
 patches one function of the task so that it sends itself SIGKILL (or SIGTERM) right after the n-th call returns.
 
 case              interrupted                                   resumed with                 compared
-finetune, kd      kill -9 after step 3 (checkpoint at step 2)   task.resume=<run dir>        metrics.csv, last.ckpt,
-                                                                                             export (bitwise)
+finetune, kd,     kill -9 after step 3 (checkpoint at step 2)   task.resume=<run dir>        metrics.csv, last.ckpt,
+condenser (bias                                                                              export (bitwise);
+per micro-batch,                                                                             condenser.json
+2 per step)
 finetune          kill -9 inside the validation of step 4       task.resume=<run dir>        as above
                   (the last; checkpoint due: resumes from 2)
 finetune, val at  kill -9 inside the validation of step 4       task.resume=<run dir>        as above
@@ -220,6 +222,12 @@ def _same_state(whole: Path, run: Path) -> None:
     _same_tensors(whole / "export" / "model.safetensors", run / "export" / "model.safetensors")
 
 
+def _condenser(whole: Path, run: Path) -> None:
+    """As :func:`_training` (the biases and their update counts are buffers of the state_dict), and condenser.json."""
+    _training(whole, run)
+    assert json.loads((run / "condenser.json").read_text()) == json.loads((whole / "condenser.json").read_text())
+
+
 def _validation_off(whole: Path, run: Path) -> None:
     """Resumed with validation off: the uninterrupted run's rows less its validations after the checkpoint, each
     row at its own step (the checkpoint was written after a validation), its weights bit for bit."""
@@ -271,6 +279,13 @@ AFTER_STEP_5 = (AFTER_STEP_3[0], 5)
 IN_VALIDATION = ("moe_lab.methods.base:MoELightningModule.validation_step", 1)  # the first validation batch
 #: validates at step 4 of 6 (the checkpoint of step 4 is written once that validation has ended)
 VALIDATING = [*TRAIN, "task.trainer.max_steps=6"]
+#: the public code's bias update after every micro-batch, 2 per optimizer step: killed after step 3 (micro-batch 6);
+#: the update of micro-batch 4, which ends step 2, must be in step 2's checkpoint. condenser_bias=updating: with
+#: budget=replace every update then moves every bias. Lightning's val_check_interval counts micro-batches: 8, so that
+#: step 2's checkpoint is written in on_train_batch_end (after a validation, it came after the update already)
+CONDENSER_MICRO_BATCH = [*TRAIN, "method=condenser", "method.options.selection_updates=2",
+                         "method.options.update_every=micro_batch", "method.options.condenser_bias=updating",
+                         "task.trainer.accumulate_grad_batches=2", "task.trainer.val_check_interval=8"]
 
 
 @dataclass
@@ -341,6 +356,8 @@ CASES = {
                                                    "task.trainer.val_check_interval=2"],
                                         AFTER_STEP_3, _validation_off, task_resume=True, check_interrupted=_checkpoint,
                                         resume_overrides=("task.trainer.limit_val_batches=0",)),
+    "condenser_micro_batch": Case(lambda s: CONDENSER_MICRO_BATCH, (AFTER_STEP_3[0], 6), _condenser, task_resume=True,
+                                  check_interrupted=_checkpoint),
     "kd": Case(lambda s: [*TRAIN, "method=kd", "method.teacher=${model}"], AFTER_STEP_3, _training,
                task_resume=True, check_interrupted=_checkpoint),
     "calibrate": Case(lambda s: s["calibrate"], ("moe_lab.compress.calibration:Calibration.save", 2), _calibration,
