@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 
@@ -60,13 +61,23 @@ def test_valid_defaults_pass():
     ("task.optim.lr", 0.0, "must be > 0"),
     ("dataset.batch_size", 0, "must be >= 1"),
     ("task.checkpoint_every_n_steps", -5, "must be >= 1"),
-    ("task.trainer.val_check_interval", 0, "number of steps"),
+    ("task.trainer.val_check_interval", 0, "number of training batches"),
 ])
 def test_bad_numbers_name_the_field(field, value, expected):
     with pytest.raises(ValueError) as err:
         check_numbers(_cfg(**{field: value}))
     assert f"{field}={value}" in str(err.value) or f"{field}={value!r}" in str(err.value)
     assert expected in str(err.value)
+
+
+def test_validation_interval_under_accumulation_is_stated_in_optimizer_steps(caplog):
+    """Lightning counts val_check_interval in training batches (micro-batches): under accumulation the run says
+    how many optimizer steps that is, in one line."""
+    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.preflight"):
+        check_numbers(_cfg(**{"task.trainer.accumulate_grad_batches": 4}))
+    assert [r.getMessage() for r in caplog.records] == [
+        ("task.trainer.val_check_interval=250 counts training batches: with accumulate_grad_batches=4 validation "
+        "runs every 62.5 optimizer steps")]
 
 
 def test_gpu_hardware_without_cuda_suggests_cpu(monkeypatch):

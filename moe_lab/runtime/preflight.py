@@ -74,8 +74,12 @@ def check_numbers(cfg: DictConfig) -> None:
     if interval is not None:
         interval = _number("task.trainer.val_check_interval", interval, "float")
         if interval <= 0 or (isinstance(interval, float) and not interval.is_integer() and interval > 1):
-            raise ValueError(f"task.trainer.val_check_interval={interval}: use a number of steps (e.g. 250) or a "
-                             "fraction of an epoch in (0, 1]")
+            raise ValueError(f"task.trainer.val_check_interval={interval}: use a number of training batches (e.g. "
+                             "250) or a fraction of an epoch in (0, 1]")
+        accumulate = OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1
+        if isinstance(interval, int) and interval > 1 and int(accumulate) > 1:  # Lightning counts micro-batches
+            log.info("task.trainer.val_check_interval=%d counts training batches: with accumulate_grad_batches=%d "
+                     "validation runs every %g optimizer steps", interval, int(accumulate), interval / int(accumulate))
 
 
 def check_hardware(cfg: DictConfig) -> None:
