@@ -4,6 +4,7 @@ trajectory (dataset, method, batch size, world size, accumulation) is refused un
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,6 +153,19 @@ def _teacher_logits_cfg(tmp_path, out):
     return _cfg(tmp_path, "task=teacher_logits", f"paths.output_dir={out}")
 
 
+@contextlib.contextmanager
+def _held_by_a_live_process(folder):
+    """``folder`` locked by a live process on this host (a sleeping child, killed on exit); yields its PID."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder.mkdir(exist_ok=True)
+        (folder / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+        yield other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_every_task_removes_the_temporaries_a_killed_run_left(tmp_path, caplog):
     """task=teacher_logits (no checkpoint of its own) killed between the record's write and its rename left
     ``.teacher_logits.safetensors.<random>.tmp``: the next run into the directory removes it, in one line naming it.
@@ -162,16 +176,10 @@ def test_every_task_removes_the_temporaries_a_killed_run_left(tmp_path, caplog):
     out.mkdir()
     stale = out / ".teacher_logits.safetensors.k2j3.tmp"
     stale.write_bytes(b"half a record")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (out / "live").mkdir()
-        (out / "live" / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+    with _held_by_a_live_process(out / "live"):
         (out / "live" / ".summary.json.a1b2.tmp").write_text("{")
         with caplog.at_level(logging.INFO, logger="moe_lab.runtime.atomic"):
             summary = run_task(_teacher_logits_cfg(tmp_path, out))
-    finally:
-        other.kill()
-        other.wait()
     assert not stale.exists() and (out / "live" / ".summary.json.a1b2.tmp").exists()
     [line] = [r.getMessage() for r in caplog.records if "partial files" in r.getMessage()]
     assert line == (f"removed 1 partial files of an earlier run killed while writing in {out}: "
@@ -187,14 +195,8 @@ def test_a_live_run_keeps_its_temporaries(tmp_path):
     out.mkdir()
     writing = out / ".teacher_logits.safetensors.k2j3.tmp"
     writing.write_bytes(b"being written")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (out / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
-        with pytest.raises(RuntimeError, match=f"PID {other.pid}"):
-            run_task(_teacher_logits_cfg(tmp_path, out))
-    finally:
-        other.kill()
-        other.wait()
+    with _held_by_a_live_process(out) as pid, pytest.raises(RuntimeError, match=f"PID {pid}"):
+        run_task(_teacher_logits_cfg(tmp_path, out))
     assert writing.read_bytes() == b"being written" and not (out / "teacher_logits.safetensors").exists()
 
 
