@@ -176,6 +176,31 @@ def activation_bytes(measured, counts: ParamCounts, cost: dict, batch: int, seq_
     return {"full": full, "checkpointed": ckpt}
 
 
+def _required_fields(config_class: str) -> list[str]:
+    """The fields an architecture entry must type in (a default would silently size the estimate), in the config
+    class's own names: its ``attribute_map`` aliases (DBRX: ``d_model`` for ``hidden_size``) and the registry's
+    top-k path (DBRX: ``ffn_config.moe_top_k``; Aria: ``moe_topk``)."""
+    import transformers
+
+    from ..moe.registry import FAMILIES
+
+    cls = getattr(transformers, config_class, None)
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    spec = FAMILIES.get(getattr(cls, "model_type", None))
+    top_k = (spec.top_k_path if spec is not None else None) or "num_experts_per_tok"
+    return [aliases.get(k, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")] \
+        + [top_k]
+
+
+def _given(arch: dict, path: str) -> bool:
+    """Whether the dotted ``path`` is set in the architecture dict."""
+    for name in path.split("."):
+        if not isinstance(arch, dict) or name not in arch:
+            return False
+        arch = arch[name]
+    return True
+
+
 def architecture_config(model_cfg):
     """The HF config of a ``conf/model`` entry without weights: ``model.architecture`` (real models: the public
     config.json typed in), else ``config_class`` + ``config`` (tiny models), else the checkpoint's config.json."""
@@ -189,9 +214,8 @@ def architecture_config(model_cfg):
         if not cls:
             raise ValueError(f"model.architecture.config_class is missing for model={cfg.get('name')}: name the "
                              "transformers config class, e.g. Qwen3MoeConfig")
-        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
-        for key in required:
-            if key not in arch:
+        for key in _required_fields(cls):
+            if not _given(arch, key):
                 raise ValueError(f"model.architecture.{key} is missing for model={cfg.get('name')} ({cls}): type it "
                                  "from the checkpoint's config.json")
         return build_config(cls, arch)

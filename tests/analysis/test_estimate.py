@@ -163,6 +163,22 @@ def test_missing_architecture_field_is_named():
         architecture_config(cfg)
 
 
+@pytest.mark.parametrize("family,missing", [("dbrx", "ffn_config.moe_top_k"), ("dbrx", "d_model"),
+                                            ("aria_text", "moe_topk")])
+def test_architecture_fields_in_the_config_class_own_names(family, missing):
+    """DBRX types its sizes as d_model / n_layers / n_heads (HF attribute_map aliases) and its top-k inside
+    ffn_config, Aria as moe_topk (the registry's top_k_path): an entry in those names builds, and the one missing
+    is named by its own path (before, both were refused for lacking num_experts_per_tok)."""
+    tiny = tiny_model_cfg(family)
+    arch = {"config_class": tiny.config_class, **OmegaConf.to_container(tiny.config)}
+    config = architecture_config(OmegaConf.create({"name": family, "architecture": arch}))
+    assert type(config).__name__ == tiny.config_class
+    owner, _, name = missing.rpartition(".")
+    del (arch[owner] if owner else arch)[name]
+    with pytest.raises(ValueError, match=f"model.architecture.{missing} is missing"):
+        architecture_config(OmegaConf.create({"name": family, "architecture": arch}))
+
+
 def test_bad_k_main_is_refused():
     with pytest.raises(ValueError, match="task.methods.k_main"):
         estimate(architecture_config(tiny_model_cfg("olmoe")), seq_len=4, batch=1, opts=Options(k_main=2))
