@@ -12,9 +12,9 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
     """Output [n, H] of routed expert ``expert`` on tokens ``x`` [n, H] (unweighted: E_e(x); a family whose routing
     weight scales the expert input computes E_e(w x) = expert_forward(view, e, w * x))."""
     experts, layout = view.experts, view.layout
-    if not layout.packed:  # rows of 2-D tensors (DBRX), applied as its DbrxExpertGLU does: x @ W.T
+    if not layout.packed:  # rows of 2-D tensors (DBRX)
         gate, up, down = (t[expert] for t in view.roles())
-        return (layout.activation(experts)(x.matmul(gate.T)) * x.matmul(up.T)).matmul(down.T)
+        return _row_block_hidden(layout.activation(experts), gate, up, x, x).matmul(down.T)
     gate_up = layout.project(x, experts.gate_up_proj[expert])
     if layout.biases:
         gate_up = gate_up + experts.gate_up_proj_bias[expert]
@@ -25,6 +25,13 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
         hidden = layout.activation(experts)(gate) * up
     out = layout.project(hidden, experts.down_proj[expert])
     return out + experts.down_proj_bias[expert] if layout.biases else out
+
+
+def _row_block_hidden(act, gate: torch.Tensor, up: torch.Tensor, gate_in: torch.Tensor,
+                      up_in: torch.Tensor) -> torch.Tensor:
+    """One row-blocked expert's intermediate activation [n, I], as DBRX's ``DbrxExpertGLU`` computes it:
+    ``act(gate_in @ gate.T) * (up_in @ up.T)`` (its down projection is then ``@ down.T``)."""
+    return act(gate_in.matmul(gate.T)) * up_in.matmul(up.T)
 
 
 def expert_intermediate_size(view: MoELayerView) -> int:
@@ -73,7 +80,7 @@ def looped_mixture(view: MoELayerView, x: torch.Tensor, indices: torch.Tensor, w
         rows = x[tokens]
         gate_in = rows * scales["input_scale"][tokens] if "input_scale" in scales else rows
         up_in = rows * scales["up_input_scale"][tokens] if "up_input_scale" in scales else gate_in
-        hidden = act(gate_in.matmul(gate.T)) * up_in.matmul(up.T)
+        hidden = _row_block_hidden(act, gate, up, gate_in, up_in)
         if "act_scale" in scales:
             hidden = hidden * scales["act_scale"][tokens]
         y = hidden.matmul(down.T) * weights[tokens, slots, None]
