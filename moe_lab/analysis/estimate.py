@@ -9,11 +9,14 @@ much again for the input gradient and again for the weight gradient.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .meta_costs import ParamCounts, count_parameters, measure, meta_model, moe_views, quiet_init
+
+log = logging.getLogger(__name__)
 
 METHODS = ("sft", "densemixer", "condenser_replace", "condenser_append", "compressed_experts", "esft", "lora",
            "kd", "dense_student")
@@ -92,7 +95,8 @@ def method_costs(model, counts: ParamCounts, trained, frozen, opts: Options, stu
                                   counts.total, assign_k + n * len(k), note=f"|S| = k + {n}")
     if opts.k_main is not None or all(s.top_k >= 2 for s in counts.experts):
         out["compressed_experts"] = _compressed_experts_costs(counts, opts, row, experts, f_rest, b_rest)
-    # else left out: a top-1 router runs no auxiliary expert, so Compressed Experts is undefined (the method refuses)
+    else:  # a top-1 router runs no auxiliary expert: Compressed Experts is undefined there (the method refuses)
+        log.info("estimate: no compressed_experts row (a top-1 router has no auxiliary expert to compress)")
     share = opts.esft_assignment_share
     out["esft"] = row(
         sft_f, b_frozen + experts(lambda s: s.top_k) + share * experts(lambda s: s.top_k),
