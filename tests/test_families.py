@@ -77,3 +77,24 @@ def test_llama4_text_supported_and_the_composite_refused_with_the_way_to_its_tex
         "conformance": "bit-exact (fp32, bf16)", "sft": "yes", "frozen_router": "yes", "esft": "yes",
         "densemixer": "no", "condenser": "yes", "compressed_experts": "no", "lora": "yes",
         "calibrate/to_dense/prune": "calibrate, prune (reap", "condense": "no", "kd": "yes"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_llama4_text", "tiny_dbrx", "tiny_aria_text"])
+def test_added_family_runs_end_to_end_through_run_py(model, tmp_path):
+    """``python run.py model=<the family's tiny sibling> debug=fast``, as a user types it: trains, prints the summary,
+    and its export loads in vanilla transformers as the family's model (the families added last)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_run import run_py
+
+    out = tmp_path / "run"
+    proc = run_py(f"model={model}", "debug=fast", "logger=csv", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert f"model / method  {model} / sft" in proc.stdout
+    vanilla = AutoModelForCausalLM.from_pretrained(out / "export").eval()
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        logits = vanilla(input_ids=ids).logits
+    assert torch.isfinite(logits).all() and logits.shape == (2, 8, vanilla.config.vocab_size)
+    assert vanilla.config.model_type == model.removeprefix("tiny_")
