@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 import moe_lab
 from moe_lab.data.prompts import format_prompt
+from moe_lab.data.shipped import LLM_ADAPTERS_DIR
 from moe_lab.data.tokenizer import build_byte_tokenizer
 from moe_lab.eval.generation import generate
 from moe_lab.models import build_config
@@ -32,7 +33,7 @@ BATCH = 16
 
 
 def bench_prompts(n: int) -> tuple[list[str], str]:
-    path = ROOT.parent / "shared" / "data" / "llm_adapters" / "gsm8k.test.json"
+    path = LLM_ADAPTERS_DIR / "gsm8k.test.json"
     if path.is_file():
         import json
 

@@ -41,7 +41,7 @@ REFUSED: dict[str, str] = {
     "inkling2_loop_text": "looped decoder: layers loop_layer_index_start..loop_layer_index_end-1 run their MoE block "
                           "loop_num_passes times per forward (each pass routes every token again, on the previous "
                           "pass's messages), so a layer's routing statistics count each token several times "
-                          "(DESIGN invariant 3: once per token) and its calibration mixes passes; the uniform view "
+                          "(docs/design.md invariant 3: once per token) and its calibration mixes passes; the uniform view "
                           "has no pass index. The block itself is Inkling-2's (supported: inkling2_text)",
     "qwen3_5_moe": _COMPOSITE.format("qwen3_5_moe_text"),
     "qwen4_exp": _COMPOSITE.format("qwen4_exp_text"),

@@ -13,8 +13,11 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
+from moe_lab.data.shipped import LLM_ADAPTERS_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("MOE_LAB_DATA_DIR", ROOT.parent / "shared" / "data" / "llm_adapters"))
+# the LLM-Adapters files: the copy shipped in the package unless $MOE_LAB_DATA_DIR names another
+DATA_DIR = Path(os.environ.get("MOE_LAB_DATA_DIR", LLM_ADAPTERS_DIR))
 # the core families: every test parametrised over families runs them by default
 FAMILIES = [
     "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "phimoe",

@@ -1,7 +1,7 @@
 """Every real-model preset of conf/experiment, with local data and its family's tiny sibling, for the tests that
 run (tests/test_presets_run.py) and plan (tests/runtime/test_plan.py) them offline.
 
-Local data: a few rows of ../shared/data/llm_adapters/math_data.json, rewritten into each dataset format the
+Local data: a few rows of the packaged math_data.json (moe_lab/data/files/llm_adapters), rewritten into each dataset format the
 presets read (LLM-Adapters rows, chat messages, reasoning traces, ShareGPT turns, prompt/completion fields, plain
 text), so every dataset node of a preset (``dataset``, calibration, search and LM-stage data) reads a local file.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import ROOT, DATA_DIR
 
 CONF = ROOT / "conf"
 EXPERIMENTS = CONF / "experiment"
@@ -46,7 +46,7 @@ def tiny_sibling(preset: str) -> str:
 
 def _rows(n: int) -> list[dict]:
     """The ``n`` shortest rows of math_data.json (short rows keep tiny runs fast)."""
-    rows = json.loads((SHARED_DATA / "math_data.json").read_text())
+    rows = json.loads((DATA_DIR / "math_data.json").read_text())
     return sorted(rows, key=lambda r: len(r["instruction"]) + len(r["output"]))[:n]
 
 

@@ -1,6 +1,6 @@
 """Paper presets (conf/experiment) against the papers' hyper-parameters, and the experiments collector.
 
-The expected values below are written from ../shared/specs/finetuning.md section 2 (and the public code it
+The expected values below are written from docs/specs/finetuning.md section 2 (and the public code it
 cites), not read from the presets, so a preset that drifts from the paper fails here.
 """
 
@@ -87,7 +87,7 @@ EXPECTED = {
 }
 TINY = {"tiny_grid", "condenser/tiny_grid"}  # CPU stand-ins: composed and run, no paper values
 
-# compression presets (../shared/specs/compression.md): [P2] distillation recipe (2.11) and CD-MoE (3.3, 3.9)
+# compression presets (docs/specs/compression.md): [P2] distillation recipe (2.11) and CD-MoE (3.3, 3.9)
 KD_RECIPE = {"lr": 1e-4, "wd": 0.01, "betas": [0.9, 0.95], "warmup_steps": 20, "schedule": "cosine", "min_lr_ratio": 0.1,
                  "global_batch": 384, "block": 4096, "steps": 200, "calib": (512, 2048), "loss": "forward_kl"}
 COMPRESSION = {

@@ -135,7 +135,7 @@ def test_empty_dataset_file_is_named(tmp_path, content):
 def test_missing_relative_data_path_mentions_moe_lab_data_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="MOE_LAB_DATA_DIR"):
-        open_dataset("../shared/data/llm_adapters/math_data.json")
+        open_dataset("../elsewhere/llm_adapters/math_data.json")
 
 
 def test_math_data_config_keeps_most_examples_with_the_byte_tokenizer():
@@ -143,14 +143,14 @@ def test_math_data_config_keeps_most_examples_with_the_byte_tokenizer():
     from hydra.utils import instantiate
 
     from moe_lab.data.tokenizer import build_byte_tokenizer
-    from tests.conftest import SHARED_DATA
+    from tests.conftest import DATA_DIR
 
-    if not (SHARED_DATA / "math_data.json").is_file():
+    if not (DATA_DIR / "math_data.json").is_file():
         pytest.skip("math_data.json not available")
     cfg = OmegaConf.load(ROOT / "conf" / "dataset" / "math_data.yaml")
     base = OmegaConf.load(ROOT / "conf" / "dataset" / "llm_adapters.yaml")
     cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k != "defaults"})
-    cfg.path = str(SHARED_DATA / "math_data.json")
+    cfg.path = str(DATA_DIR / "math_data.json")
     dm = instantiate(cfg, tokenizer=build_byte_tokenizer())
     dm.setup()
     counts = dm.overflow_counts["train"]

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import run
 from moe_lab.distill.teacher import load_teacher, teacher_spec
-from tests.conftest import ROOT, SHARED_DATA, build_tiny, tiny_model_cfg
+from tests.conftest import ROOT, DATA_DIR, build_tiny, tiny_model_cfg
 
 CONF = ROOT / "conf"
 
@@ -126,7 +126,7 @@ def test_teacher_hub_id_offline_names_method_teacher(monkeypatch):
 
 def _run_py(tmp_path, *argv):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "MOE_LAB_DATA_DIR": str(SHARED_DATA)}
+           "MOE_LAB_DATA_DIR": str(DATA_DIR)}
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv, f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

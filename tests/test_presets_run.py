@@ -1,6 +1,6 @@
 """Every real-model preset RUNS end to end on its family's tiny sibling (lightning-hydra-template's
 ``experiment=glob(*)`` habit): the same preset with ``model=tiny_<family> hardware=cpu``, local data (a few rows
-of ../shared/data/llm_adapters/math_data.json in each dataset's format), one epoch (epoch-based presets) or two
+of the packaged math_data.json in each dataset's format), one epoch (epoch-based presets) or two
 optimizer steps (step-based ones); the export is written and reloads.
 
 What changes besides model, hardware and data, and why (``SIZE`` below): only numbers bound to the real model's
@@ -30,7 +30,7 @@ import transformers
 from hydra import compose, initialize_config_dir
 
 import run
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR
 from tests.presets import CONF, compose_preset, data_overrides, real_model_presets, tiny_sibling
 
 pytestmark = pytest.mark.slow
@@ -163,6 +163,6 @@ def test_issue_command_runs_through_run_py(tmp_path):
     from tests.test_run import run_py
 
     proc = run_py("experiment=compressed_experts/olmoe", "model=tiny_olmoe", "hardware=cpu", "dataset=math_data",
-                  f"dataset.path={SHARED_DATA / 'math_data.json'}", "dataset.num_examples=8", "dataset.max_length=512",
+                  f"dataset.path={DATA_DIR / 'math_data.json'}", "dataset.num_examples=8", "dataset.max_length=512",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert "run finished" in proc.stdout and (tmp_path / "run" / "export" / "config.json").is_file()

@@ -320,11 +320,11 @@ def substitute(command: str, data: Path) -> tuple[dict, list[str]]:
 
 
 def write_data(data: Path, cwd: Path) -> None:
-    """Tiny local files standing in for hub data, one per format (math rows from ../shared/data)."""
-    from tests.conftest import SHARED_DATA, word_text
+    """Tiny local files standing in for hub data, one per format (math rows from the packaged math_data.json)."""
+    from tests.conftest import DATA_DIR, word_text
 
     data.mkdir(parents=True, exist_ok=True)
-    rows = json.loads((SHARED_DATA / "math_data.json").read_text())[:48]
+    rows = json.loads((DATA_DIR / "math_data.json").read_text())[:48]
     (data / "alpaca.json").write_text(json.dumps(rows))
     qa = [(r["instruction"], r["output"]) for r in rows]
 
@@ -342,7 +342,7 @@ def write_data(data: Path, cwd: Path) -> None:
     word_text(data / "text.txt", 120)
     word_text(cwd / "train.txt", 120)
     word_text(cwd / "test.txt", 20, seed=1)
-    gold = json.loads((SHARED_DATA / "gsm8k.test.json").read_text())
+    gold = json.loads((DATA_DIR / "gsm8k.test.json").read_text())
     (cwd / "preds.jsonl").write_text("".join(json.dumps({"id": i, "prediction": f"The answer is {r['answer']}"})
                                              + "\n" for i, r in enumerate(gold)))
 
@@ -436,8 +436,7 @@ def test_every_runnable_readme_command_exits_0(tmp_path):
     plan.write_text(json.dumps({"cwd": str(tmp_path), "commands": runnable}))
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1",  # tiny models: one thread, no spin-waiting on a busy machine (6x faster at load 12)
-           "MOE_LAB_DATA_DIR": str(ROOT.parent / "shared" / "data" / "llm_adapters")}
+           "OMP_NUM_THREADS": "1"}  # tiny models: one thread, no spin-waiting on a busy machine (6x faster at load 12)
     proc = subprocess.run([sys.executable, "-m", "tests.test_readme_commands", str(plan)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     log = proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
 """Compression: calibration statistics (one teacher pass), expert scores and selection, and the weight
-surgery built on them (see specs/compression.md).
+surgery built on them (see docs/specs/compression.md).
 
 Note: ``moe_lab.compress.scores`` is the scoring FUNCTION; import helpers from the module with
 ``from moe_lab.compress.scores import ...`` (``import moe_lab.compress.scores as m`` yields the function).

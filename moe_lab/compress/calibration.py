@@ -1,5 +1,5 @@
 """Calibration: one streamed pass of the unmodified MoE model recording, per MoE layer, every statistic of
-specs/compression.md section 1; saved as one safetensors file and reused by every scoring/sweep.
+docs/specs/compression.md section 1; saved as one safetensors file and reused by every scoring/sweep.
 
 ``Calibration.layers[layer]`` (decoder layer index -> dict) holds EXACTLY these tensors (sums over the
 real, non-pad calibration tokens t; E experts, H hidden size; accumulators float64, counts int64):

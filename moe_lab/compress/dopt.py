@@ -1,4 +1,4 @@
-"""D-optimal expert selection (specs/compression.md 2.3): kernel, lambda, greedy with incremental
+"""D-optimal expert selection (docs/specs/compression.md 2.3): kernel, lambda, greedy with incremental
 Cholesky/Schur updates, and, for tests and the bench only, a naive greedy and brute force.
 
 All computation in float64. Ties (within a relative 1e-10 of the best gain) go to the lower expert index.

@@ -1,4 +1,4 @@
-"""Expert scores from calibration statistics (specs/compression.md 2.2, 4.1) and top-K / D-optimal selection.
+"""Expert scores from calibration statistics (docs/specs/compression.md 2.2, 4.1) and top-K / D-optimal selection.
 
 ``scores(calibration, method, **kw) -> {layer: float64 [E]}``; ``select_experts(calibration, method, K, **kw)
 -> {layer: int64 [K]}`` in ranked order (D-optimal methods: the greedy's addition order).

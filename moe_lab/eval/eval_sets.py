@@ -3,7 +3,7 @@
 Every loaded row has ``instruction`` + ``input`` (the prompt, formatted by the Alpaca template or the chat
 template like training data) or ``prompt`` (ESFT: used verbatim), and ``answer`` (gold; may be missing or
 bad: scoring names such rows). The fourteen LLM-Adapters test files are read from the data directory
-(``eval.data_dir``, default ``${MOE_LAB_DATA_DIR:-../shared/data/llm_adapters}``); every set can be read from
+(``eval.data_dir``, default ``$MOE_LAB_DATA_DIR``, else the copy shipped in ``moe_lab/data/files/llm_adapters``); every set can be read from
 a local file instead with ``eval.paths.<name>=/local/file`` (``.json``, ``.jsonl``, ``.parquet``, ``.txt``
 for perplexity, or a directory written by ``datasets.save_to_disk``).
 """
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..data.shipped import LLM_ADAPTERS_DIR
 from .choices import hellaswag_row
 
-DEFAULT_DATA_DIR = "../shared/data/llm_adapters"
+DEFAULT_DATA_DIR = str(LLM_ADAPTERS_DIR)
 #: The instruction suffix of hard-reasoning prompts (DeepSeek-R1's evaluation prompt).
 BOXED_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -139,7 +140,7 @@ def resolve(names) -> list[EvalSet]:
 
 
 def data_dir(value: str | os.PathLike | None = None) -> Path:
-    """``value``, else ``$MOE_LAB_DATA_DIR``, else ``../shared/data/llm_adapters``."""
+    """``value``, else ``$MOE_LAB_DATA_DIR``, else the packaged LLM-Adapters folder."""
     return Path(value or os.environ.get("MOE_LAB_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
 
 

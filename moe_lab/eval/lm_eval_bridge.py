@@ -8,7 +8,7 @@ The task definitions in ``lm_eval_tasks/`` read the LLM-Adapters test files; the
 (tag ``llm_adapters_math``). The same folder works on the lm-eval command line::
 
     lm_eval --model hf --model_args pretrained=out/export --include_path moe_lab/eval/lm_eval_tasks \\
-        --tasks llm_adapters_boolq,llm_adapters_social_iqa --metadata '{"data_dir": "../shared/data/llm_adapters"}'
+        --tasks llm_adapters_boolq,llm_adapters_social_iqa --metadata '{"data_dir": "moe_lab/data/files/llm_adapters"}'
 
 but only :func:`evaluate_with_lm_eval` (:func:`lm_eval_model`) re-installs the moe-lab routing an export
 carries beside its vanilla weights (Expert Condenser, Compressed Experts); the command line evaluates
@@ -106,7 +106,7 @@ def evaluate_with_lm_eval(
     ``model_or_path``: an HF model object (vanilla or patched by ``moe_lab.apply``; it is evaluated in eval
     mode and its mode restored) or an exported checkpoint directory (``patch.export(dir, tokenizer)``).
     ``tokenizer`` defaults to the checkpoint's. ``llm_adapters_*`` tasks come from ``lm_eval_tasks/`` over
-    the LLM-Adapters files in ``data_dir`` (default ``$MOE_LAB_DATA_DIR`` or ``../shared/data/llm_adapters``);
+    the LLM-Adapters files in ``data_dir`` (default ``$MOE_LAB_DATA_DIR``, else the packaged copy);
     with ``hub_tasks=True`` lm-eval's own registry is searched too (``boolq``, ``hellaswag``, ...: lm-eval's
     definitions, never the local ones; needs the hub or its cache). A checkpoint is loaded on ``device``
     (default ``cuda`` when available, else ``cpu``; lm-eval's own default is ``cuda`` even without a GPU).

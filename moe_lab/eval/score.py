@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True, help="evaluation set name, e.g. gsm8k, aqua, boolq")
     parser.add_argument("--predictions", required=True, help="predictions .jsonl file")
     parser.add_argument("--data-dir", default=None, help="LLM-Adapters data folder (default $MOE_LAB_DATA_DIR "
-                                                          "or ../shared/data/llm_adapters)")
+                                                          "or the packaged copy)")
     parser.add_argument("--path", default=None, help="read the dataset from this local file instead")
     parser.add_argument("--mode", default="answer_is", choices=["answer_is", "llm_adapters"],
                         help="math answer extraction rule (llm_adapters = their last-number / first-letter rule)")

@@ -662,7 +662,7 @@ NO_DENSE_TARGET: dict[str, str] = {
               "zeroed router, weighs them unequally (a masked softmax, then a softmax over the rest) and by Gumbel "
               "sampling in training",
     "llama4_text": "the conversion's dense FFN is the output-weighted sum of representatives, sum_g a_g E_g(x) "
-                   "(specs/compression.md); Llama 4's block computes E_e(w_e x), the routing weight on the expert "
+                   "(docs/specs/compression.md); Llama 4's block computes E_e(w_e x), the routing weight on the expert "
                    "input, which no fixed scaling of a concatenated SwiGLU reproduces (the family's own all-dense "
                    "class, moe_layers=[], would be the target)",
 }

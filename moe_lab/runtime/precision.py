@@ -1,4 +1,4 @@
-"""fp32 master weights (DESIGN.md "Precision"): what a run does with trainable bf16/fp16 parameters.
+"""fp32 master weights (docs/design.md "Precision"): what a run does with trainable bf16/fp16 parameters.
 
 Plain AdamW on bf16 parameters drops every update smaller than half the bf16 spacing of the parameter (at
 lr 2e-5 most of them; a weight of 1.0 never moves). ``method.master_weights`` decides, once per fit, before

@@ -232,7 +232,7 @@ def _prepare_fsdp(strategy, model) -> None:
 
 class KeepFp32Buffers(Callback):
     """DeepSpeed's bf16 engine casts every floating buffer of the model to bf16; routing biases and statistics
-    stay fp32 (DESIGN "Precision"): the fp32 buffers are copied before the strategy sets up and put back, with
+    stay fp32 (docs/design.md "Precision"): the fp32 buffers are copied before the strategy sets up and put back, with
     their exact values, where it cast them."""
 
     def setup(self, trainer, pl_module, stage) -> None:

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe_lab.analysis.removal import figure, fit, logistic, paper_table, power_law
+from moe_lab.data.shipped import LLM_ADAPTERS_DIR
 from moe_lab.tasks.expert_removal import plan
 
 # DeepSeek-Coder-V2-Lite-Instruct, spec 4.3 (Tables 7-8): (strategy, n', k') -> (ES-Act, ES-Mag)
@@ -107,8 +108,8 @@ def test_tiny_sweep_keeps_condensers(tmp_path):
     cal = calibrate(model, [{k: batch[k] for k in ("input_ids", "attention_mask")}])
     cal_path = cal.save(tmp_path / "calibration.safetensors")
     ev = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "eval" / "_common.yaml"),
-                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(ROOT.parent / "shared" /
-                          "data" / "llm_adapters"), "generation": {"max_new_tokens": 2}, "device": "cpu"})
+                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(LLM_ADAPTERS_DIR),
+                          "generation": {"max_new_tokens": 2}, "device": "cpu"})
     out = tmp_path / "run"
     cfg = OmegaConf.create({"task": OmegaConf.load(ROOT / "conf" / "task" / "expert_removal.yaml")["task"],
                             "model": tiny_model_cfg("olmoe"), "paths": {"output_dir": str(out)}, "logger": None,
@@ -137,8 +138,8 @@ def test_base_row_keeps_the_models_own_routing(tmp_path, capsys):
 
     source = _export(tmp_path, "condenser", n=1, experts=FORCED)
     ev = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "eval" / "_common.yaml"),
-                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(ROOT.parent / "shared" /
-                          "data" / "llm_adapters"), "generation": {"max_new_tokens": 2}, "device": "cpu"})
+                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(LLM_ADAPTERS_DIR),
+                          "generation": {"max_new_tokens": 2}, "device": "cpu"})
     out = tmp_path / "run"
     model_cfg = tiny_model_cfg("qwen2_moe")
     model_cfg.update({"pretrained": str(source), "config_class": None, "config": None})

@@ -14,7 +14,7 @@ from moe_lab.eval import generation
 from moe_lab.models import load_model
 from moe_lab.runtime.stop_signal import Interrupted
 from moe_lab.tasks import expert_removal, run_task
-from tests.conftest import ROOT, SHARED_DATA, random_batch, tiny_model_cfg
+from tests.conftest import ROOT, DATA_DIR, random_batch, tiny_model_cfg
 
 
 def _cfg(tmp_path):
@@ -22,7 +22,7 @@ def _cfg(tmp_path):
     model, _ = load_model(tiny_model_cfg("olmoe"))
     cal_path = calibrate(model, [{k: batch[k] for k in ("input_ids", "attention_mask")}]).save(tmp_path / "cal.st")
     ev = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "eval" / "_common.yaml"),
-                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(SHARED_DATA),
+                         {"name": "math7", "datasets": ["gsm8k"], "limit": 1, "data_dir": str(DATA_DIR),
                           "generation": {"max_new_tokens": 2}, "device": "cpu"})
     cfg = OmegaConf.create({"task": OmegaConf.load(ROOT / "conf" / "task" / "expert_removal.yaml")["task"],
                             "model": tiny_model_cfg("olmoe"), "paths": {"output_dir": str(tmp_path / "run")},

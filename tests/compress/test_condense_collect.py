@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moe_lab.compress import load_condensed
-from tests.conftest import ROOT, SHARED_DATA, word_text
+from tests.conftest import ROOT, DATA_DIR, word_text
 
 TASKS = {"llm_adapters_boolq": "boolq", "llm_adapters_piqa": "piqa"}
 LIMIT = 2
@@ -34,7 +34,7 @@ def condensed(tmp_path_factory):
     cal = run_task(_compose(tmp / "cal", "task=calibrate", "model=tiny_deepseek_v2",
                             "dataset@compress.calibration.dataset=c4", f"compress.calibration.dataset.path={text}",
                             *[f"compress.calibration.{d}" for d in data]))
-    cfg = _compose(tmp / "cd", "task=condense", "model=tiny_deepseek_v2", f"paths.data_dir={SHARED_DATA}",
+    cfg = _compose(tmp / "cd", "task=condense", "model=tiny_deepseek_v2", f"paths.data_dir={DATA_DIR}",
                    f"condense.calibration_file={cal['calibration']}", f"condense.search.dataset.path={text}",
                    "condense.routed_experts=0", "condense.num_layers=1", *[f"condense.search.{d}" for d in data],
                    f"condense.eval.tasks=[{','.join(TASKS)}]", f"condense.eval.limit={LIMIT}",
@@ -54,7 +54,7 @@ def _oracle(summary) -> dict[str, float]:
     tokenizer = load_tokenizer(summary["export"])
     out = {}
     for task, eval_set in TASKS.items():
-        docs = load_choice_docs(eval_set, SHARED_DATA)["test"].select(range(LIMIT))
+        docs = load_choice_docs(eval_set, DATA_DIR)["test"].select(range(LIMIT))
         with torch.no_grad():
             scored = score_choices(model, tokenizer, docs["context"], docs["choices"])
         out[task] = 100 * sum(s["pred_norm"] == g for s, g in zip(scored, docs["gold"])) / LIMIT

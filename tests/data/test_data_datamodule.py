@@ -12,11 +12,11 @@ from torch.utils.data import DistributedSampler
 
 from moe_lab.data.collate import pad_collate
 from moe_lab.data.datamodule import SFTDataModule
+from moe_lab.data.shipped import LLM_ADAPTERS_DIR
 from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-MATH_DATA = REPO.parent / "shared" / "data" / "llm_adapters" / "math_data.json"
-needs_data = pytest.mark.skipif(not MATH_DATA.exists(), reason=f"{MATH_DATA} not available")
+MATH_DATA = LLM_ADAPTERS_DIR / "math_data.json"
 
 
 def _check_batch(batch, batch_size, max_length):
@@ -112,7 +112,6 @@ def test_distributed_sampler_shards_train_split():
     assert sorted(seen) == sorted(tuple(ex["input_ids"]) for ex in dm.examples["train"])
 
 
-@needs_data
 def test_math_data_capped():
     def capped():
         return SFTDataModule(source="llm_adapters", path=str(MATH_DATA), num_examples=64, max_length=1024,

@@ -5,13 +5,11 @@ import pytest
 
 from moe_lab.data import sources
 from moe_lab.data.llm_adapters import load_llm_adapters, row_start_lines
+from moe_lab.data.shipped import LLM_ADAPTERS_DIR
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "llm_adapters"
-MATH_DATA = SHARED / "math_data.json"
-needs_data = pytest.mark.skipif(not MATH_DATA.exists(), reason=f"{MATH_DATA} not available")
+MATH_DATA = LLM_ADAPTERS_DIR / "math_data.json"
 
 
-@needs_data
 def test_math_data_loads_all_rows():
     rows = load_llm_adapters(str(MATH_DATA))
     raw = json.loads(MATH_DATA.read_text())

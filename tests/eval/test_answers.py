@@ -19,7 +19,7 @@ from moe_lab.eval.answers import (
 )
 from moe_lab.eval.eval_sets import GROUPS, get_eval_set, load_eval_set
 from moe_lab.eval.score import score_predictions
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR
 
 MATH7 = GROUPS["math7"]
 
@@ -100,7 +100,7 @@ def test_boxed_and_math_equivalence():
 
 
 def _rows(name):
-    return load_eval_set(name, SHARED_DATA)
+    return load_eval_set(name, DATA_DIR)
 
 
 @pytest.mark.parametrize("name", MATH7)
@@ -136,7 +136,7 @@ def test_independent_recount_of_gsm8k_outputs():
     """An independent re-implementation of LLM-Adapters' loop over the raw file gives the pinned count."""
     import re
 
-    rows = json.loads((SHARED_DATA / "gsm8k.test.json").read_text())
+    rows = json.loads((DATA_DIR / "gsm8k.test.json").read_text())
     correct = 0
     for row in rows:
         found = re.findall(r"-?\d+\.?\d*", row["output"].replace(",", ""))

@@ -7,7 +7,7 @@ import pytest
 from moe_lab.eval.choices import FORMATS, choice_item, get_format, hellaswag_row, row_labels
 from moe_lab.eval.eval_sets import EVAL_SETS, GROUPS, load_eval_set
 from moe_lab.eval.score import score_predictions
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR
 
 SHARED_COMMONSENSE = [n for n in GROUPS["commonsense8"] if EVAL_SETS[n].file]
 # number of options per row (from each row's own "Answer format:" line) -> rows
@@ -21,7 +21,7 @@ OPTION_COUNTS = {
 def test_format_parses_every_answer_and_every_row_has_a_choice_view(name):
     spec = EVAL_SETS[name]
     fmt = get_format(spec.answer_format)
-    data = load_eval_set(name, SHARED_DATA)
+    data = load_eval_set(name, DATA_DIR)
     counts: dict[int, int] = {}
     for i, row in enumerate(data.rows):
         answer = row["answer"]

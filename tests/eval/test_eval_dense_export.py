@@ -16,7 +16,7 @@ from moe_lab.compress.dense import export_compressed, to_dense
 from moe_lab.eval.choices import choice_item
 from moe_lab.eval.run import evaluate, load_for_eval
 from moe_lab.models import load_model
-from tests.conftest import SHARED_DATA, random_batch, tiny_model_cfg
+from tests.conftest import DATA_DIR, random_batch, tiny_model_cfg
 from tests.eval.test_evaluate_task import eval_cfg, read_jsonl
 
 
@@ -48,7 +48,7 @@ def test_dense_export_loads_with_the_runs_method_and_equals_vanilla_hf(export, t
                       "eval.generation.max_new_tokens=2", f"task.checkpoint={export}"))
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["model"], summary["method"]) == ("tiny_qwen3_moe_dense", "kd")
-    rows = json.loads((SHARED_DATA / "winogrande.test.json").read_text())[:2]
+    rows = json.loads((DATA_DIR / "winogrande.test.json").read_text())[:2]
     records = read_jsonl(out / "predictions" / "winogrande.mc.jsonl")
     assert len(records) == 2
     for row, rec in zip(rows, records):

@@ -21,7 +21,7 @@ from moe_lab.eval.results import main as results_main
 from moe_lab.eval.run import evaluate
 from moe_lab.eval.score import main as score_main
 from moe_lab.models import load_model
-from tests.conftest import ROOT, SHARED_DATA, tiny_model_cfg
+from tests.conftest import ROOT, DATA_DIR, tiny_model_cfg
 
 STOPS = ["### Instruction:", "\nBelow is an instruction"]
 
@@ -29,7 +29,7 @@ STOPS = ["### Instruction:", "\nBelow is an instruction"]
 def eval_cfg(out, *overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=[
-            "task=evaluate", f"paths.output_dir={out}", f"paths.data_dir={SHARED_DATA}", "logger=none", *overrides,
+            "task=evaluate", f"paths.output_dir={out}", f"paths.data_dir={DATA_DIR}", "logger=none", *overrides,
         ])
 
 
@@ -98,7 +98,7 @@ def test_predictions_equal_vanilla_hf_greedy_and_score_like_the_cli(tmp_path, ca
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["model"], summary["method"], summary["limit"]) == ("tiny_olmoe", "base", 3)
     for name, file in (("gsm8k", "gsm8k.test.json"), ("aqua", "AQuA.test.json")):
-        rows = json.loads((SHARED_DATA / file).read_text())[:3]
+        rows = json.loads((DATA_DIR / file).read_text())[:3]
         preds = read_jsonl(out / "predictions" / f"{name}.jsonl")
         assert [p["id"] for p in preds] == [0, 1, 2]
         for p, row in zip(preds, rows):
@@ -106,11 +106,11 @@ def test_predictions_equal_vanilla_hf_greedy_and_score_like_the_cli(tmp_path, ca
         # the scoring CLI on the run's predictions file gives the run's numbers
         capsys.readouterr()
         assert score_main(["--dataset", name, "--predictions", str(out / "predictions" / f"{name}.jsonl"),
-                           "--data-dir", str(SHARED_DATA)]) == 0
+                           "--data-dir", str(DATA_DIR)]) == 0
         cli = json.loads(capsys.readouterr().out.splitlines()[-1])
         ds = summary["datasets"][name]
         assert cli["n_correct"] == ds["n_correct"] and ds["n_rows"] == 3 and ds["n_total_rows"] == len(
-            json.loads((SHARED_DATA / file).read_text()))
+            json.loads((DATA_DIR / file).read_text()))
         assert metrics[f"eval/{name}/acc"] == ds["value"]
         scored = read_jsonl(out / "predictions" / f"{name}.scored.jsonl")
         assert len(scored) == 3 and dict(Counter(s["status"] for s in scored)) == ds["statuses"]
@@ -140,7 +140,7 @@ def test_rerun_resumes_and_skips_finished_rows(tmp_path, monkeypatch):
     (out / "predictions" / "svamp.jsonl").write_text("".join(lines[:2]) + '{"id": 2, "predi')
     (out / "predictions" / "aqua.jsonl").write_text(first["aqua"].rstrip("\n"))
     evaluate(eval_cfg(out, *common, "eval.limit=3"))
-    svamp_row2 = json.loads((SHARED_DATA / "SVAMP.test.json").read_text())[2]["instruction"]
+    svamp_row2 = json.loads((DATA_DIR / "SVAMP.test.json").read_text())[2]["instruction"]
     assert len(prompts_seen) == 1 and svamp_row2 in prompts_seen[0]
     assert {n: (out / "predictions" / f"{n}.jsonl").read_text() for n in first} == first
     prompts_seen.clear()
@@ -164,7 +164,7 @@ def test_commonsense_loglik_wiring_and_unavailable_hellaswag(tmp_path):
     assert header[:6] == ["model", "method", "BoolQ", "HellaSwag", "WinoGrande", "Avg."]
     # the log-likelihood of each option equals an independent sum of HF log-probabilities
     model, tokenizer = load_model(tiny_model_cfg("olmoe"))
-    rows = json.loads((SHARED_DATA / "winogrande.test.json").read_text())[:2]
+    rows = json.loads((DATA_DIR / "winogrande.test.json").read_text())[:2]
     records = read_jsonl(out / "predictions" / "winogrande.mc.jsonl")
     for row, rec in zip(rows, records):
         item = choice_item("option", row["instruction"], row["answer"])
@@ -258,7 +258,7 @@ def test_checkpoints_export_dir_and_lightning_ckpt(tmp_path):
     assert (a["model"], a["method"]) == (b["model"], b["method"]) == ("tiny_qwen3_moe", "frozen_router")
     preds_a, preds_b = (read_jsonl(tmp_path / d / "predictions" / "addsub.jsonl") for d in "ab")
     assert preds_a == preds_b  # same weights either way
-    rows = json.loads((SHARED_DATA / "AddSub.test.json").read_text())[:2]
+    rows = json.loads((DATA_DIR / "AddSub.test.json").read_text())[:2]
     patch.remove()
     model.eval()
     assert [p["prediction"] for p in preds_a] == [hf_greedy(model, tokenizer, format_prompt(r["instruction"]), 6)
@@ -312,7 +312,7 @@ def test_wandb_table_is_logged_offline(tmp_path, monkeypatch):
 
 def run_py(*overrides, cwd):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "MOE_LAB_DATA_DIR": str(SHARED_DATA)}
+           "MOE_LAB_DATA_DIR": str(DATA_DIR)}
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

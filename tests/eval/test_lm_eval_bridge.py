@@ -14,7 +14,7 @@ from moe_lab.eval.likelihood import score_choices
 from moe_lab.eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics, lm_eval_model, local_tasks
 from moe_lab.eval.lm_eval_tasks.llm_adapters import load_choice_docs, load_generation_docs
 from moe_lab.moe.block import MoEBlock
-from tests.conftest import SHARED_DATA, build_tiny, random_batch
+from tests.conftest import DATA_DIR, build_tiny, random_batch
 
 LIMIT = 5
 MC_TASKS = {"llm_adapters_boolq": "boolq", "llm_adapters_social_iqa": "siqa",
@@ -44,11 +44,11 @@ def test_local_tasks_cover_the_llm_adapters_files():
 def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
     moe_lab.apply(model).export(tmp_path / "export", tok)
     result = evaluate_with_lm_eval(tmp_path / "export", None, [*MC_TASKS, "llm_adapters_gsm8k"], limit=LIMIT,
-                                   batch_size=4, data_dir=SHARED_DATA, log_samples=True, gen_kwargs={"max_gen_toks": 16})
+                                   batch_size=4, data_dir=DATA_DIR, log_samples=True, gen_kwargs={"max_gen_toks": 16})
     metrics = lm_eval_metrics(result)
     assert set(metrics) == {*MC_TASKS, "llm_adapters_gsm8k"}
     for task, eval_set in MC_TASKS.items():
-        docs = load_choice_docs(eval_set, SHARED_DATA)["test"].select(range(LIMIT))
+        docs = load_choice_docs(eval_set, DATA_DIR)["test"].select(range(LIMIT))
         ours = score_choices(model, tok, docs["context"], docs["choices"])
         gold = docs["gold"]
         assert metrics[task]["acc"] == pytest.approx(sum(o["pred"] == g for o, g in zip(ours, gold)) / LIMIT)
@@ -57,7 +57,7 @@ def test_exported_checkpoint_matches_moe_lab_scoring(model, tok, tmp_path):
         for sample, o in zip(sorted(result["samples"][task], key=lambda s: s["doc_id"]), ours):
             assert [r[0][0] for r in sample["resps"]] == pytest.approx(o["loglik"], rel=1e-4, abs=1e-4)
     # Generation: lm-eval's (HF generate, its stop handling) equals moe-lab's greedy batched generation.
-    docs = load_generation_docs("gsm8k", SHARED_DATA)["test"].select(range(LIMIT))
+    docs = load_generation_docs("gsm8k", DATA_DIR)["test"].select(range(LIMIT))
     until = result["configs"]["llm_adapters_gsm8k"]["generation_kwargs"]["until"]
     ours = generate(model, tok, docs["prompt"], max_new_tokens=16, stop=until)
     theirs = [s["resps"][0][0]
@@ -121,7 +121,7 @@ def test_in_memory_patched_model_runs_the_commonsense_tag(tok):
     model = build_tiny("qwen2_moe")
     moe_lab.apply(model)
     result = evaluate_with_lm_eval(model, tok, ["llm_adapters_commonsense"], limit=2, batch_size=8,
-                                   data_dir=SHARED_DATA)
+                                   data_dir=DATA_DIR)
     metrics = lm_eval_metrics(result)
     assert {"llm_adapters_" + name for name in ("boolq", "piqa", "social_iqa", "winogrande", "arc_easy",
                                                 "arc_challenge", "openbookqa")} <= set(metrics)
@@ -131,13 +131,13 @@ def test_in_memory_patched_model_runs_the_commonsense_tag(tok):
 
 def test_bad_calls_are_named(model, tok, tmp_path):
     with pytest.raises(ValueError, match="unknown lm-eval task.*hub_tasks=True"):
-        evaluate_with_lm_eval(model, tok, ["hellaswag"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(model, tok, ["hellaswag"], data_dir=DATA_DIR)
     with pytest.raises(ValueError, match="needs its tokenizer"):
-        evaluate_with_lm_eval(model, None, ["llm_adapters_boolq"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(model, None, ["llm_adapters_boolq"], data_dir=DATA_DIR)
     with pytest.raises(FileNotFoundError, match="data_dir"):
         evaluate_with_lm_eval(model, tok, ["llm_adapters_boolq"], data_dir=tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="checkpoint directory"):
-        evaluate_with_lm_eval(tmp_path / "nowhere", None, ["llm_adapters_boolq"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(tmp_path / "nowhere", None, ["llm_adapters_boolq"], data_dir=DATA_DIR)
 
 
 def test_a_row_without_answer_is_named(tmp_path):

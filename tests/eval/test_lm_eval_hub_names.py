@@ -11,7 +11,7 @@ import pytest
 
 from moe_lab.eval import lm_eval_bridge
 from moe_lab.eval.lm_eval_bridge import PREFIX, evaluate_with_lm_eval, local_tasks, task_manager
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR
 
 # the benchmarks of the CD-MoE table that also have an LLM-Adapters version here, plus the other overlaps
 HUB = ["arc_challenge", "boolq", "openbookqa", "piqa", "winogrande", "arc_easy", "gsm8k"]
@@ -57,7 +57,7 @@ def _built_config(manager, task: str, monkeypatch) -> object:
 def test_hub_names_are_lm_evals_own_tasks_without_override(caplog, monkeypatch):
     lm_eval_bridge._manager.cache_clear()  # index here, under caplog
     with caplog.at_level(logging.DEBUG):
-        manager = task_manager([*HUB, "hellaswag", "llm_adapters_boolq"], hub_tasks=True, data_dir=SHARED_DATA)
+        manager = task_manager([*HUB, "hellaswag", "llm_adapters_boolq"], hub_tasks=True, data_dir=DATA_DIR)
     assert not [r for r in caplog.records if "overrides existing task" in r.getMessage()]
     for task in HUB:
         config = _built_config(manager, task, monkeypatch)
@@ -68,7 +68,7 @@ def test_hub_names_are_lm_evals_own_tasks_without_override(caplog, monkeypatch):
     # the LLM-Adapters versions in the same index: the local loader over the local test file
     config = _built_config(manager, "llm_adapters_boolq", monkeypatch)
     assert config.custom_dataset.__name__ == "load_choice_docs" and config.dataset_kwargs == {"eval_set": "boolq"}
-    assert config.metadata["data_dir"] == str(SHARED_DATA)
+    assert config.metadata["data_dir"] == str(DATA_DIR)
     assert Path(manager.task_index["llm_adapters_boolq"].yaml_path).parent == lm_eval_bridge.TASK_DIR
 
 
@@ -92,7 +92,7 @@ def test_local_tasks_carry_the_prefix_and_no_hub_name():
 
 def test_old_and_unknown_names_are_named():
     with pytest.raises(ValueError, match=r"'boolq' is lm-eval's own.*hub_tasks=True.*'llm_adapters_boolq'"):
-        evaluate_with_lm_eval(None, None, ["boolq"], data_dir=SHARED_DATA)
+        evaluate_with_lm_eval(None, None, ["boolq"], data_dir=DATA_DIR)
     with pytest.raises(ValueError, match=r"unknown lm-eval task.*'hellaswag'.*hub_tasks=True"):
         task_manager(["hellaswag"], hub_tasks=False)
     with pytest.raises(FileNotFoundError, match="data_dir"):
@@ -102,6 +102,6 @@ def test_old_and_unknown_names_are_named():
 @pytest.mark.slow
 def test_unknown_hub_name_is_named():
     with pytest.raises(ValueError, match=r"unknown lm-eval task.*'no_such_task'.*lm_eval ls tasks"):
-        task_manager(["boolq", "no_such_task", "llm_adapters_boolq"], hub_tasks=True, data_dir=SHARED_DATA)
+        task_manager(["boolq", "no_such_task", "llm_adapters_boolq"], hub_tasks=True, data_dir=DATA_DIR)
     with pytest.raises(ValueError, match=r"unknown lm-eval task.*'svamp'.*LLM-Adapters version is llm_adapters_svamp"):
-        task_manager(["svamp", "llm_adapters_boolq"], hub_tasks=True, data_dir=SHARED_DATA)
+        task_manager(["svamp", "llm_adapters_boolq"], hub_tasks=True, data_dir=DATA_DIR)

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from moe_lab.eval import lm_eval_bridge
 from moe_lab.eval.run import evaluate
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import ROOT, DATA_DIR
 
 # [P3] column -> (lm-eval task, shots, result key); finetuning.md section 3
 P3 = {
@@ -119,7 +119,7 @@ def test_code_executing_tasks_are_confirmed(preset):
 
 
 def _eval_cfg(out, *overrides):
-    return _compose("task=evaluate", f"paths.output_dir={out}", f"paths.data_dir={SHARED_DATA}", "logger=none",
+    return _compose("task=evaluate", f"paths.output_dir={out}", f"paths.data_dir={DATA_DIR}", "logger=none",
                     "eval=math7", "eval.datasets=[]", *overrides)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import ROOT, DATA_DIR
 
 
 def score_cli(*args, check_rc: int | None = 0):
@@ -27,14 +27,14 @@ def write_jsonl(path, records):
 
 
 def rows(name):
-    return json.loads((SHARED_DATA / name).read_text())
+    return json.loads((DATA_DIR / name).read_text())
 
 
 def test_output_fields_reproduce_the_pinned_accuracy_and_per_item_file(tmp_path):
     gsm8k = rows("gsm8k.test.json")
     preds = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prediction": r["output"]} for i, r in enumerate(gsm8k)])
     out = tmp_path / "per_item.jsonl"
-    proc = score_cli("--dataset", "gsm8k", "--predictions", preds, "--data-dir", SHARED_DATA, "--out", out)
+    proc = score_cli("--dataset", "gsm8k", "--predictions", preds, "--data-dir", DATA_DIR, "--out", out)
     assert "gsm8k: acc = 0.5845 (771/1319) | coverage 1319/1319 | empty 6" in proc.stdout
     items = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(items) == 1319 and sum(it["status"] == "correct" for it in items) == 771
@@ -45,7 +45,7 @@ def test_gold_answers_score_100_on_aqua_by_alias_and_llm_adapters_mode(tmp_path)
     aqua = rows("AQuA.test.json")
     preds = write_jsonl(tmp_path / "p.jsonl",
                         [{"id": i, "prediction": f"The answer is {r['answer']}"} for i, r in enumerate(aqua)])
-    proc = score_cli("--dataset", "AQuA", "--predictions", preds, "--data-dir", SHARED_DATA,
+    proc = score_cli("--dataset", "AQuA", "--predictions", preds, "--data-dir", DATA_DIR,
                      "--mode", "llm_adapters")
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["value"] == 1.0 and summary["n_correct"] == 254 and summary["complete"]
@@ -54,7 +54,7 @@ def test_gold_answers_score_100_on_aqua_by_alias_and_llm_adapters_mode(tmp_path)
 def test_partial_coverage_is_reported(tmp_path):
     preds = write_jsonl(tmp_path / "p.jsonl", [{"id": 5, "prediction": "the correct answer is true"},
                                                {"id": 0, "prediction": "the correct answer is false"}])
-    proc = score_cli("--dataset", "boolq", "--predictions", preds, "--data-dir", SHARED_DATA)
+    proc = score_cli("--dataset", "boolq", "--predictions", preds, "--data-dir", DATA_DIR)
     assert "coverage 2/3270 (0.1%, PARTIAL: rows without a prediction are not scored)" in proc.stdout
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["n_predicted"] == 2 and not summary["complete"]
@@ -69,7 +69,7 @@ def test_partial_coverage_is_reported(tmp_path):
 ])
 def test_bad_predictions_file_is_an_error_naming_the_line(tmp_path, records, message):
     preds = write_jsonl(tmp_path / "p.jsonl", records)
-    proc = score_cli("--dataset", "addsub", "--predictions", preds, "--data-dir", SHARED_DATA, check_rc=2)
+    proc = score_cli("--dataset", "addsub", "--predictions", preds, "--data-dir", DATA_DIR, check_rc=2)
     assert message in proc.stderr, proc.stderr
     assert "acc =" not in proc.stdout
 
@@ -87,7 +87,7 @@ def test_more_bad_records_in_process(tmp_path, capsys, records, message):
     from moe_lab.eval.score import main
 
     preds = write_jsonl(tmp_path / "p.jsonl", records)
-    assert main(["--dataset", "addsub", "--predictions", str(preds), "--data-dir", str(SHARED_DATA)]) == 2
+    assert main(["--dataset", "addsub", "--predictions", str(preds), "--data-dir", str(DATA_DIR)]) == 2
     assert message in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""DenseMixer against a dense autograd oracle (DESIGN.md, "Methods, precisely"), on every supported family it is
+"""DenseMixer against a dense autograd oracle (docs/design.md, "Methods, precisely"), on every supported family it is
 defined for; the others are refused by name."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Invariant 1-3 of DESIGN.md for every family: moe-lab's blocks with method "sft" are vanilla HF.
+"""Invariant 1-3 of docs/design.md for every family: moe-lab's blocks with method "sft" are vanilla HF.
 
 Oracle: the vanilla HF model itself. moe-lab reproduces each HF block's order of operations (router
 matmul dtype, which scores top-k reads, where the weights are gathered from, the shared expert before or

@@ -49,7 +49,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import ROOT, SHARED_DATA, word_text
+from tests.conftest import ROOT, DATA_DIR, word_text
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ def _child(request: dict) -> None:
 def serve() -> None:
     """Read one JSON request per line, fork a child running it, answer ``{"rc": ...}`` (-9: killed by SIGKILL)."""
     os.environ.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-                      MOE_LAB_DATA_DIR=str(SHARED_DATA))
+                      MOE_LAB_DATA_DIR=str(DATA_DIR))
     sys.path.insert(0, str(ROOT))
     answers = os.fdopen(os.dup(1), "w")  # the protocol; whatever the libraries print goes to stderr
     os.dup2(2, 1)
