@@ -145,11 +145,10 @@ def test_math_data_config_keeps_most_examples_with_the_byte_tokenizer():
     from moe_lab.data.tokenizer import build_byte_tokenizer
     from tests.conftest import DATA_DIR
 
-    if not (DATA_DIR / "math_data.json").is_file():
-        pytest.skip("math_data.json not available")
     cfg = OmegaConf.load(ROOT / "conf" / "dataset" / "math_data.yaml")
     base = OmegaConf.load(ROOT / "conf" / "dataset" / "llm_adapters.yaml")
-    cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k != "defaults"})
+    cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items_ex(resolve=False) if k != "defaults"})
+    assert cfg._get_node("path")._value() == "${paths.data_dir}/math_data.json"  # the run reads the data folder's copy
     cfg.path = str(DATA_DIR / "math_data.json")
     dm = instantiate(cfg, tokenizer=build_byte_tokenizer())
     dm.setup()
