@@ -147,8 +147,8 @@ def test_math_data_config_keeps_most_examples_with_the_byte_tokenizer():
 
     cfg = OmegaConf.load(ROOT / "conf" / "dataset" / "math_data.yaml")
     base = OmegaConf.load(ROOT / "conf" / "dataset" / "llm_adapters.yaml")
-    cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items_ex(resolve=False) if k != "defaults"})
-    assert cfg._get_node("path")._value() == "${paths.data_dir}/math_data.json"  # the run reads the data folder's copy
+    cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k != "defaults"})
+    assert cfg.path == str(DATA_DIR / "math_data.json")  # the packaged copy (or $MOE_LAB_DATA_DIR's)
     cfg.path = str(DATA_DIR / "math_data.json")
     dm = instantiate(cfg, tokenizer=build_byte_tokenizer())
     dm.setup()
