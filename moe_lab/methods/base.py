@@ -18,6 +18,7 @@ from ..runtime.precision import apply_master_weights, check_mode
 from ..runtime.strategies import optimizer_stepped, strategy_kind
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
+from .slice_decay import ZeroSlicedWeightDecay, sliced_weight_decay
 
 log = logging.getLogger(__name__)
 
@@ -32,34 +33,6 @@ class ExpMeanMetric(MeanMetric):
 def supervised_tokens(batch) -> torch.Tensor:
     """Tokens the causal-LM loss averages over: labels after the one-token shift that are not -100."""
     return (batch["labels"][..., 1:] != -100).sum()
-
-
-def sliced_weight_decay(optimizer: torch.optim.Optimizer, masked_params, weight_decay: float) -> None:
-    """Decoupled (AdamW) weight decay applied only to the trained slices of packed expert tensors.
-
-    Those tensors sit in a zero-decay group; the pre-step hook keeps the trained slices' values and the
-    post-step hook subtracts ``lr * weight_decay * value``, which is AdamW's update order exactly.
-    Untrained slices receive zero gradients, so Adam leaves them bit-identical. The lr is read from the
-    group's POSITION at each step: ``optimizer.load_state_dict`` (a resume) replaces the group dicts, so a
-    group held by reference would keep the lr it had when the optimizer was built (0 under a warm-up).
-    """
-    masked_params = list(masked_params)
-    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    groups = [group_of[id(p)] for p, _ in masked_params]
-    saved: list[torch.Tensor] = []
-
-    def keep(opt, args, kwargs):
-        saved[:] = [p.detach()[mask.to(p.device)].clone() for p, mask in masked_params]
-
-    def decay(opt, args, kwargs):
-        with torch.no_grad():
-            for (p, mask), group, before in zip(masked_params, groups, saved):
-                m = mask.to(p.device)
-                p[m] -= opt.param_groups[group]["lr"] * weight_decay * before
-        saved.clear()
-
-    optimizer.register_step_pre_hook(keep)
-    optimizer.register_step_post_hook(decay)
 
 
 GUARD_KEY = "moe_lab_guard"  # checkpoint entry: the last finite training loss and its step
@@ -241,9 +214,13 @@ class MoELightningModule(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, *args, **kwargs):
-        """One optimizer step, then the method's per-step hooks (e.g. router-bias updates)."""
+        """One optimizer step, then the method's per-step hooks (e.g. router-bias updates). Under DeepSpeed the
+        trained expert slices' weight decay goes to the ZeRO masters first (:mod:`.slice_decay`)."""
+        stepping = optimizer_stepped(self._trainer)  # DeepSpeed: Lightning calls this on every micro-batch
+        if stepping and getattr(self, "zero_slice_decay", None) is not None:
+            self.zero_slice_decay.before_step()
         super().optimizer_step(*args, **kwargs)
-        if optimizer_stepped(self._trainer):  # DeepSpeed: Lightning calls this on every micro-batch
+        if stepping:
             self.patch.after_optimizer_step()
 
     def configure_optimizers(self):
@@ -259,8 +236,13 @@ class MoELightningModule(L.LightningModule):
             [g for g in groups if g["params"]], lr=self.optim["lr"], betas=tuple(self.optim["betas"]),
             eps=self.optim["eps"],
         )
+        self.zero_slice_decay = None
         if masked and self.optim["weight_decay"]:
-            sliced_weight_decay(optimizer, self.patch.expert_slice_masks.values(), self.optim["weight_decay"])
+            slices, wd = self.patch.expert_slice_masks.values(), self.optim["weight_decay"]
+            if self._trainer is not None and strategy_kind(self.trainer.strategy).startswith("deepspeed"):
+                self.zero_slice_decay = ZeroSlicedWeightDecay(optimizer, slices, wd)  # the engine steps masters
+            else:
+                sliced_weight_decay(optimizer, slices, wd)
         s = self.scheduler_cfg
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         if not math.isfinite(total):

@@ -41,6 +41,7 @@ from ..moe.experts import looped_mixture
 from ..moe.patch import MoEPatch
 from .compressed_experts import packed_layout
 from .registry import register_method
+from .slice_decay import trained_runs
 
 SCORES = ("gate", "token")
 AVERAGES = ("sequence", "token")
@@ -445,7 +446,7 @@ def slice_optimizer(optimizer: torch.optim.Optimizer, patch: MoEPatch) -> int:
             if id(param) not in masks or optimizer.state.get(param):
                 params.append(param)
                 continue
-            runs = _trained_runs(masks[id(param)])
+            runs = trained_runs(masks[id(param)])
             views = [param.detach()[start:stop].requires_grad_() for start, stop in runs]
             params.extend(views)
             links.append(param)
@@ -454,17 +455,6 @@ def slice_optimizer(optimizer: torch.optim.Optimizer, patch: MoEPatch) -> int:
     if links:
         optimizer.register_step_post_hook(_DropGradients(links))
     return len(links)
-
-
-def _trained_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of the runs of consecutive True entries of ``mask`` [E]."""
-    runs: list[tuple[int, int]] = []
-    for e in mask.nonzero().squeeze(-1).tolist():
-        if runs and runs[-1][1] == e:
-            runs[-1] = (runs[-1][0], e + 1)
-        else:
-            runs.append((e, e + 1))
-    return runs
 
 
 class _GradientSlices:

@@ -36,10 +36,16 @@ CHECKPOINT_KEY = "moe_lab_esft"
 
 
 def _flattens_parameters(strategy) -> bool:
-    """FSDP and DeepSpeed hold parameters as flat shards (no per-expert slices to score or to step)."""
+    """FSDP and DeepSpeed step parameters as flat shards (no per-expert slices for the optimizer to step)."""
     from ..runtime.strategies import strategy_kind
 
     return strategy_kind(strategy).startswith(("fsdp", "deepspeed"))
+
+
+def partitioned(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are already shards (ZeRO-3 partitions, FSDP flat parameters): Lightning
+    calls ``setup`` before the strategy wraps the model, so the selection is scored on whole weights there."""
+    return any(hasattr(p, "ds_id") or type(p).__name__ in ("FlatParameter", "DTensor") for p in model.parameters())
 
 
 class ESFTLightningModule(MoELightningModule):
@@ -138,10 +144,10 @@ class ESFTLightningModule(MoELightningModule):
     def _score_training_data(self) -> dict:
         trainer = self.trainer
         strategy = trainer.strategy
-        if _flattens_parameters(strategy):
-            raise ValueError(f"ESFT cannot score the training data under {type(strategy).__name__} (the model is "
-                             "sharded): compute the selection first (moe_lab.esft_scores / a single-device run) "
-                             "and pass method.selection_file=<esft_selection.json>")
+        if partitioned(self.model):
+            raise ValueError(f"ESFT cannot score the training data under {type(strategy).__name__}: the model's "
+                             "parameters are already sharded. Compute the selection first (moe_lab.esft_scores / "
+                             "a single-device run) and pass method.selection_file=<esft_selection.json>")
         loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else \
             trainer.fit_loop._data_source.dataloader()
         self.model.to(strategy.root_device)

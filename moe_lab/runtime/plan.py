@@ -183,7 +183,7 @@ def check_method(cfg: DictConfig) -> str:
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
     kind = config_strategy_kind(cfg.hardware.trainer)
-    refuse_unsupported(module, kind)
+    refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
     return f"method={cfg.method.name} builds on the meta model and runs under {kind}"
 
 

@@ -165,18 +165,25 @@ def set_z3_leaf_modules(module) -> list[torch.nn.Module]:
 
 
 def _refuse(module, strategy) -> None:
-    refuse_unsupported(module, strategy_kind(strategy))
+    precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
+    refuse_unsupported(module, strategy_kind(strategy), precision)
 
 
-def refuse_unsupported(module, kind: str) -> None:
-    """Refuse a method that cannot run under the strategy ``kind`` (:func:`strategy_kind`; also used by
-    ``plan=true`` on a module built on the meta device)."""
-    if kind not in ("deepspeed_zero3", "fsdp"):
-        return
+def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
+    """Refuse a method that cannot run under the strategy ``kind`` (:func:`strategy_kind`) at ``precision``
+    (Lightning's name, e.g. ``bf16-mixed``; also used by ``plan=true`` on a module built on the meta device)."""
     patch = getattr(module, "patch", None)
     if patch is None:
         return
     method = module.hparams.get("name") or module.hparams.get("method")
+    if kind.startswith("deepspeed") and patch.expert_slice_masks and module.optim.get("weight_decay") \
+            and str(precision or "").startswith("16"):
+        raise ValueError(f"method={method} under hardware={kind} with precision={precision}: the trained expert "
+                         "slices are decayed on ZeRO's fp32 masters before each step, and fp16's loss scaler may "
+                         "then skip that step (an overflow), decaying them without one. Use bf16-mixed, "
+                         "task.optim.weight_decay=0, or hardware=gpu_ddp")
+    if kind not in ("deepspeed_zero3", "fsdp"):
+        return
     where = f"method={method} under hardware={kind if kind == 'fsdp' else 'deepspeed_zero3'} ({kind})"
     if any(getattr(layer.mixer, "runs_inactive_experts", False) for layer in patch.layers):
         raise ValueError(f"{where}: the backward pass runs every inactive expert on its packed weights, which "
@@ -192,10 +199,6 @@ def refuse_unsupported(module, kind: str) -> None:
         if patch.expert_slice_masks:
             raise ValueError(f"{where}: training only some expert slices (ESFT) masks gradients of whole packed "
                              "tensors, which FSDP flattens and shards: use hardware=gpu_ddp or deepspeed_zero2/3")
-    if kind.startswith("deepspeed") and patch.expert_slice_masks and module.optim.get("weight_decay"):
-        raise ValueError(f"{where}: weight decay on the trained expert slices acts through torch optimizer hooks "
-                         "that DeepSpeed's ZeRO optimizer bypasses: set task.optim.weight_decay=0 or use "
-                         "hardware=gpu_ddp")
 
 
 def prepare(trainer, module) -> None:

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import moe_lab
 from moe_lab.methods import esft_module
 from moe_lab.methods.esft import slice_optimizer
-from moe_lab.methods.esft_module import ESFTLightningModule
+from moe_lab.methods.esft_module import ESFTLightningModule, partitioned
 from tests.conftest import build_tiny, random_batch
 
 EXPERTS = {0: [1, 2, 6], 1: [3]}  # layer 0: runs [1, 3) and [6, 7); layer 1: [3, 4)
@@ -145,7 +145,9 @@ def test_a_checkpoint_with_packed_optimizer_state_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_flat_sharding_strategies_neither_score_nor_slice(strategy):
-    """FSDP and DeepSpeed flatten parameters: ESFT refuses to score under them, and keeps the packed optimizer."""
+    """FSDP and DeepSpeed step flat parameters: ESFT keeps the packed optimizer. It scores on whole weights (Lightning
+    calls ``setup`` before the strategy wraps the model) and refuses once they are shards (a ZeRO-3 partition
+    carries ``ds_id``: tests/methods/test_slice_decay.py checks it on DeepSpeed's engine)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
@@ -153,7 +155,9 @@ def test_flat_sharding_strategies_neither_score_nor_slice(strategy):
     module = ESFTLightningModule(build_tiny("olmoe"), options={"experts": EXPERTS}, optim={"lr": 1e-2})
     module._trainer = SimpleNamespace(strategy=FSDPStrategy() if strategy == "fsdp" else DeepSpeedStrategy(stage=2),
                                       estimated_stepping_batches=10)
-    with pytest.raises(ValueError, match="ESFT cannot score the training data under"):
+    assert not partitioned(module.model)
+    next(module.model.parameters()).ds_id = 0  # what deepspeed.zero.Init / the ZeRO-3 engine sets on a partition
+    with pytest.raises(ValueError, match="ESFT cannot score the training data under .* already sharded"):
         module._score_training_data()
     module.configure_optimizers()
     assert module.optimizer_layout == "packed"

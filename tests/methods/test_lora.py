@@ -152,7 +152,7 @@ def test_lora_dropout_on_linear_targets_only_in_training():
 
 
 def test_lora_on_esft_trains_only_the_selected_experts_adapters():
-    from moe_lab.methods.base import sliced_weight_decay
+    from moe_lab.methods.slice_decay import sliced_weight_decay
 
     model = build_tiny("olmoe").train()
     layers = [layer.index for layer in moe_lab.apply(copy.deepcopy(model)).layers]

@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import moe_lab.methods
-from moe_lab.methods.base import MoELightningModule, sliced_weight_decay
+from moe_lab.methods.base import MoELightningModule
+from moe_lab.methods.slice_decay import sliced_weight_decay
 from tests.conftest import ROOT, build_tiny
 from tests.data.test_data_resume import chat_datamodule, train, write_chat_file
 
@@ -119,7 +120,7 @@ def test_sliced_weight_decay_uses_the_current_lr_after_the_optimizer_state_is_lo
     """The root cause of ESFT's drift: ``optimizer.load_state_dict`` (a resume) replaces the param-group dicts,
     and the decay of the trained slices read its lr from the group dict of the optimizer as built (lr 0 under a
     warm-up). Oracle, by hand: with zero gradients Adam moves nothing, so a trained slice only decays,
-    ``w -= lr_t * wd * w`` with ``lr_t = 0.1 * t`` (a linear warm-up), and a frozen slice stays as it was."""
+    ``w *= 1 - lr_t * wd`` (AdamW's decay) with ``lr_t = 0.1 * t`` (a linear warm-up), and a frozen slice stays as it was."""
     weight = torch.nn.Parameter(torch.randn(3, 2, 2, generator=torch.Generator().manual_seed(0)))
     mask = torch.tensor([True, False, True])
 
@@ -142,6 +143,6 @@ def test_sliced_weight_decay_uses_the_current_lr_after_the_optimizer_state_is_lo
             optimizer.load_state_dict(states[0])
             scheduler.load_state_dict(states[1])
         step(optimizer, scheduler)
-        expected[mask] -= (0.1 * t) * 0.5 * expected[mask]
+        expected[mask] *= 1 - (0.1 * t) * 0.5
     assert torch.equal(weight.detach(), expected)
     assert not torch.equal(expected[mask], initial[mask]) and torch.equal(expected[~mask], initial[~mask])
