@@ -50,13 +50,18 @@ def tiny_model_cfg(family: str, **config_overrides):
     return cfg
 
 
-def build_tiny(family: str, seed: int = 0, **config_overrides):
-    """A tiny random HF model of ``family`` whose parameters are re-drawn with a larger scale so that
-    routing is far from uniform (and the DeepSeek-V3 correction bias is non-zero)."""
+def tiny_config(family: str, **config_overrides):
+    """The HF config of conf/model/tiny_<family>.yaml, with optional overrides."""
     from moe_lab.models import build_config
 
     cfg = tiny_model_cfg(family, **config_overrides)
-    config = build_config(cfg.config_class, cfg.config)
+    return build_config(cfg.config_class, cfg.config)
+
+
+def build_tiny(family: str, seed: int = 0, **config_overrides):
+    """A tiny random HF model of ``family`` whose parameters are re-drawn with a larger scale so that
+    routing is far from uniform (and the DeepSeek-V3 correction bias is non-zero)."""
+    config = tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed + 1)

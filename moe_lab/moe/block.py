@@ -139,6 +139,26 @@ class MoEBlock(nn.Module):
         self.total_counts = torch.zeros(self.num_experts, dtype=torch.long)
         self.gradient_slice_masks: list[tuple[nn.Parameter, torch.Tensor]] = []
 
+    def synced_hf_block(self) -> nn.Module:
+        """The HF block this one stands in for, its own tensors (e.g. a correction-bias buffer) set to this block's:
+        moves, casts and ``to_empty`` while installed replace them here only. Its children are this block's."""
+        block = self.view.obj.block
+        for name in block._parameters:
+            block._parameters[name] = self._parameters.get(name)
+        for name in block._buffers:
+            block._buffers[name] = self._buffers.get(name)
+        return block
+
+    @property
+    def _is_hf_initialized(self) -> bool:
+        """transformers' "weights initialised" flag (``PreTrainedModel._initialize_weights`` skips a module that has
+        it): the HF block's, as this block's initialisation is the HF block's (:mod:`moe_lab.moe.hf_init`)."""
+        return getattr(self.view.obj.block, "_is_hf_initialized", False)
+
+    @_is_hf_initialized.setter
+    def _is_hf_initialized(self, value: bool) -> None:
+        self.view.obj.block._is_hf_initialized = value
+
     def hook_gradient_slices(self, param: nn.Parameter, mask: torch.Tensor) -> None:
         """Zero the gradient of ``param``'s expert slices outside ``mask`` [E] (re-hooked after unpickling:
         torch drops tensor hooks when it pickles parameters)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..runtime.atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
+from .hf_init import install_hf_init, remove_hf_init
 from .layout import leading_mask
 from .registry import set_config_value
 from .stats import TokenContext
@@ -64,6 +65,7 @@ class MoEPatch:
             router.__class__ = routed_router_class(type(router))
             _set_module(self.model, view.name, block)
             view.installed = block
+        install_hf_init(self.model)
         self._hooks = [
             self.model.register_forward_pre_hook(self.context.capture, with_kwargs=True),
             self.model.register_forward_hook(self.context.release, with_kwargs=True),
@@ -76,14 +78,11 @@ class MoEPatch:
             return self.model
         for view, block in zip(self.views, self.layers):
             view.block.train(block.training)
-            for name in view.block._parameters:  # the block's own tensors, as moved / cast while installed
-                view.block._parameters[name] = block._parameters[name]
-            for name in view.block._buffers:
-                view.block._buffers[name] = block._buffers[name]
             view.installed = None
-            _set_module(self.model, view.name, view.block)
+            _set_module(self.model, view.name, block.synced_hf_block())
             router = view.router
             router.__class__ = type(router).__mro__[1]
+        remove_hf_init(self.model)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
