@@ -18,7 +18,7 @@ import transformers
 import moe_lab
 from moe_lab.moe.block import MoEBlock
 from moe_lab.runtime.precision import keep_hf_fp32
-from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, hf_route, random_batch
+from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, hf_route, random_batch, rehomed
 
 # HF's own DeepseekV3ModelTester: top_k=8 > the 4 experts reachable in topk_group=1 of n_group=2 groups
 HF_TESTER_DEEPSEEK_V3 = {
@@ -238,7 +238,7 @@ def test_export_loads_in_vanilla_transformers(family, tmp_path):
         expected = model(**batch).logits
     out = patch.export(tmp_path / "export")
     assert isinstance(patch.layers[0], MoEBlock) and any(isinstance(m, MoEBlock) for m in model.modules())
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reloaded = rehomed(transformers.AutoModelForCausalLM.from_pretrained(out)).eval()  # aligned memory: conftest.rehomed
     assert not any(isinstance(m, MoEBlock) for m in reloaded.modules())
     with torch.no_grad():
         _assert_equal(reloaded(**batch).logits, expected, "reloaded logits")
