@@ -14,10 +14,10 @@ file's ``IterationTimer`` callback (``bench/`` goes on PYTHONPATH). The callback
 the wall time at the end of every optimizer step. Validation, observability callbacks and loggers are off.
 ``--offload`` picks the DeepSpeed setting:
 - ``optimizer`` (default): ZeRO-2 with optimizer state and gradients on the CPU (``hardware=deepspeed_zero2
-  hardware.trainer.strategy.offload_optimizer=true``). This is the only DeepSpeed offload in which moe-lab runs
-  DenseMixer, so all three rows are comparable.
+  hardware.trainer.strategy.offload_optimizer=true``).
 - ``parameters``: ZeRO-3 with parameters and optimizer offloaded (``hardware=deepspeed_zero3_offload``), the
-  paper's "parameter offloading". moe-lab refuses DenseMixer under ZeRO-3 (``moe_lab.runtime.strategies``): its row
+  paper's "parameter offloading". DenseMixer's inactive-expert pass runs inside ZeRO-3's gathered scope
+  (tests/runtime/test_sharded_densemixer.py), so all three rows run under both settings; a row a run refuses
   reports the refusal and the speed-ups are taken against SFT.
 The condenser run exports its model so ``condenser.json`` can be checked for chosen condensers. A row whose
 condensers were never chosen is reported as such, not as ExpertCondenser. The condensers are chosen by the

@@ -16,9 +16,9 @@ log = logging.getLogger(__name__)
 #: estimate strategy -> the hardware setting that runs it (ddp on one GPU: hardware=gpu)
 HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
             "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp"}
-#: strategies a method is refused under (moe_lab.runtime.strategies: DenseMixer under sharded parameters, LoRA and
-#: ESFT's expert slices on FSDP's flat parameters)
-REFUSED = {"densemixer": ("zero3", "zero3_offload", "fsdp"), "esft": ("fsdp",), "lora": ("fsdp",)}
+#: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
+#: parameters)
+REFUSED = {"esft": ("fsdp",), "lora": ("fsdp",)}
 ASSUMED_GPU_GB = 80.0  # the papers' machines: 8 x 80 GB
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

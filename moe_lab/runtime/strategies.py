@@ -21,7 +21,6 @@ from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 log = logging.getLogger(__name__)
 
 # what runs a method whose backward needs every expert's full weights (DenseMixer)
-UNSHARDED = "hardware=gpu, gpu_ddp or deepspeed_zero2 (or cpu / ddp_cpu)"
 
 
 def strategy_kind(strategy) -> str:
@@ -185,10 +184,6 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
     if kind not in ("deepspeed_zero3", "fsdp"):
         return
     where = f"method={method} under hardware={kind if kind == 'fsdp' else 'deepspeed_zero3'} ({kind})"
-    if any(getattr(layer.mixer, "runs_inactive_experts", False) for layer in patch.layers):
-        raise ValueError(f"{where}: the backward pass runs every inactive expert on its packed weights, which "
-                         f"{'FSDP' if kind == 'fsdp' else 'ZeRO-3'} shards outside the forward pass (not gathered "
-                         f"there, untested on GPUs): use {UNSHARDED}")
     if kind == "fsdp":
         from torch.nn.utils import parametrize
 

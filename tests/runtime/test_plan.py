@@ -179,7 +179,10 @@ def test_memory_estimate_is_task_estimates_row():
     [row] = [r for r in full["methods"]["densemixer"]["memory"]
              if r["strategy"] == "zero2" and r["activation_checkpointing"]]
     assert (est["method"], est["strategy"], est["gpu_gb"]) == ("densemixer", "zero2", row["gpu_total_gb"])
-    assert {name for name, _ in est["options"]} == {"gpu_ddp", "deepspeed_zero2"}  # DenseMixer: no sharded params
+    assert {name for name, _ in est["options"]} == {"gpu_ddp", "deepspeed_zero2", "deepspeed_zero3",
+                                                    "deepspeed_zero3_offload", "fsdp"}  # every strategy runs it
+    esft = memory_fit.memory_estimate(_gpu_run("hardware=deepspeed_zero2", "method=esft_token"), 8)
+    assert "fsdp" not in {name for name, _ in esft["options"]} and "deepspeed_zero3" in dict(esft["options"])
 
 
 def test_cpu_runs_are_never_refused_for_memory(h100):
@@ -223,8 +226,9 @@ def test_plan_loads_nothing_and_trains_nothing(tmp_path, monkeypatch, capsys):
 def test_plan_refuses_what_a_run_refuses(tmp_path):
     with pytest.raises(ValueError, match="would never end"):
         _plan("condenser/math_olmoe", tmp_path, "task.trainer.max_epochs=-1")
-    with pytest.raises(ValueError, match="method=densemixer under hardware=deepspeed_zero3"):
-        _plan("condenser/math_olmoe", tmp_path, "method=densemixer", "hardware=deepspeed_zero3")
+    with pytest.raises(ValueError, match="method=esft_token under hardware=fsdp"):
+        _plan("condenser/math_olmoe", tmp_path, "method=esft_token", "+method.options.experts={1: [0, 1]}",
+              "hardware=fsdp")
 
 
 @pytest.mark.slow
