@@ -47,7 +47,7 @@ class Chromium:
                 "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
                 f"--user-data-dir={self._profile}", "about:blank"]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=None, close_fds=False, preexec_fn=pipe_fds)
+                                      stderr=subprocess.DEVNULL, close_fds=False, preexec_fn=pipe_fds)
         os.close(to_browser_r)
         os.close(from_browser_w)
         return self
