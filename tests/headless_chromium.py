@@ -5,6 +5,7 @@ viewport, evaluate JavaScript in it, take a screenshot."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -20,6 +21,13 @@ def chromium_binary() -> str | None:
     return next((path for name in BINARIES if (path := shutil.which(name))), None)
 
 
+def _above_9(fd: int) -> int:
+    """``fd`` moved to the lowest free number above 9 (close-on-exec, as os.pipe opens it)."""
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return moved
+
+
 class Chromium:
     """One headless browser; ``with Chromium() as browser: browser.open(url, width)``."""
 
@@ -32,22 +40,18 @@ class Chromium:
         self._buffer = b""
         self._events: list[dict] = []
 
-    def __enter__(self) -> Chromium:
+    def __enter__(self):
         self._profile = tempfile.mkdtemp(prefix="chromium-profile-")
-        to_browser_r, self._to_browser = os.pipe()
-        self._from_browser, from_browser_w = os.pipe()
-
-        def pipe_fds():  # in the child: its end of each pipe as fd 3 (commands in) and fd 4 (replies out)
-            for fd, target in ((to_browser_r, 3), (from_browser_w, 4)):
-                if fd != target:
-                    os.dup2(fd, target)
-                os.set_inheritable(target, True)  # a pipe is opened close-on-exec; dup2 onto itself keeps that
-
-        args = [self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
-                f"--user-data-dir={self._profile}", "about:blank"]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, close_fds=False, preexec_fn=pipe_fds)
+        # the browser's ends of the two pipes, numbered above 9 so that bash can put them on fds 3 and 4
+        to_browser_r, self._to_browser = (_above_9(fd) for fd in os.pipe())
+        self._from_browser, from_browser_w = (_above_9(fd) for fd in os.pipe())
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--no-first-run",
+                 "--no-default-browser-check", "--disable-extensions", "--mute-audio",
+                 f"--user-data-dir={self._profile}", "about:blank"]
+        redirect = f"3<&{to_browser_r} 4>&{from_browser_w} {to_browser_r}<&- {from_browser_w}>&-"
+        self._proc = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" {redirect}', self.binary, *flags],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      pass_fds=(to_browser_r, from_browser_w))
         os.close(to_browser_r)
         os.close(from_browser_w)
         return self
