@@ -3,7 +3,7 @@
 ``<dL/dy, E_e(x)>`` as an HTML tag and the browser drops it), the support matrix's 12 columns are all in view, its
 cells read as the generator wrote them, and no code line or table cell is cut off at the edge of its box.
 
-Needs a Chromium on PATH (Debian: ``apt-get install -y chromium``; .ci/run installs it); skipped without one."""
+Needs a Chromium on PATH (Debian: ``apt-get install -y chromium``); skipped, saying so, without one."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from tests.headless_chromium import Chromium, chromium_binary
 from tests.test_docs_site import _page_html, build_site
 from tests.test_readme_commands import _site_pages
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(chromium_binary() is None,
-                                 reason="no Chromium on PATH: install it (Debian: apt-get install -y chromium)")]
+needs_chromium = pytest.mark.skipif(chromium_binary() is None,
+                                    reason="no Chromium on PATH: install it (Debian: apt-get install -y chromium)")
 
 WIDTH = 1400
 PAGES = [p.relative_to(ROOT / "docs").as_posix() for p in _site_pages()]
@@ -78,6 +77,8 @@ def _open(browser, site, page: str):
     return browser.open(_page_html(site, page).as_uri(), WIDTH)
 
 
+@pytest.mark.slow
+@needs_chromium
 def test_code_and_math_text_survive_on_every_page(site, browser):
     lost = {}
     checked = 0
@@ -112,6 +113,8 @@ MATRIX_JS = """(() => {
 })()"""
 
 
+@pytest.mark.slow
+@needs_chromium
 def test_support_matrix_shows_all_12_columns_at_1400px(site, browser, tmp_path):
     tab = _open(browser, site, "families.md")
     matrix = tab.evaluate(MATRIX_JS)
@@ -148,6 +151,8 @@ CUT_JS = """(() => {
 })()"""
 
 
+@pytest.mark.slow
+@needs_chromium
 def test_no_code_line_or_table_cell_is_cut_at_1400px(site, browser, tmp_path):
     cut = {}
     for page in PAGES:
@@ -159,6 +164,8 @@ def test_no_code_line_or_table_cell_is_cut_at_1400px(site, browser, tmp_path):
     assert not cut, f"text cut off at the edge of its box at {WIDTH} px (screenshots in {tmp_path}): {cut}"
 
 
+@pytest.mark.slow
+@needs_chromium
 def test_reproducing_page_shows_plan_true_at_1400px(site, browser):
     """The reported case: ``plan=true`` at the end of a long command line is on screen without scrolling."""
     tab = _open(browser, site, "reproducing.md")
