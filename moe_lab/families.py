@@ -131,6 +131,12 @@ def matrix_row(model_type: str) -> dict[str, str]:
     return row
 
 
+def table_cell(text: str) -> str:
+    """``text`` as a Markdown table cell that renders as itself: ``&`` and ``<`` as HTML entities (else
+    ``<dL/dy, E_e(x)>`` is read as an HTML tag and vanishes from the page), ``|`` escaped (else it splits the cell)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|")
+
+
 def markdown() -> str:
     """The support matrix and the refused / not-looked-at list, as markdown."""
     import transformers
@@ -149,11 +155,11 @@ def markdown() -> str:
     ]
     for model_type in supported_families():
         row = matrix_row(model_type)
-        lines.append(f"| {model_type} | " + " | ".join(row[c] for c in COLUMNS) + " |")
+        lines.append(f"| {model_type} | " + " | ".join(table_cell(row[c]) for c in COLUMNS) + " |")
     lines += ["", "| model_type | state | reason |", "|---|---|---|"]
     for model_type, (state, note) in states.items():
         if state != "supported":
-            lines.append(f"| {model_type} | {state} | {note} |")
+            lines.append(f"| {model_type} | {state} | {table_cell(note)} |")
     return "\n".join(lines)
 
 

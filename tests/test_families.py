@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+
+import markdown as python_markdown
 import pytest
 
 import moe_lab
@@ -47,6 +50,36 @@ def test_write_docs_replaces_only_the_matrix_block(tmp_path, monkeypatch, capsys
     page.write_text("no markers\n", encoding="utf-8")
     with pytest.raises(ValueError, match="families.md lacks the markers"):
         families.with_matrix(page.read_text(encoding="utf-8"))
+
+
+class _CellText(HTMLParser):
+    """The text of each ``<td>`` as a browser shows it: tags dropped, entities decoded."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.cells, self._open = [], False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "td":
+            self.cells.append("")
+            self._open = True
+
+    def handle_endtag(self, tag):
+        self._open = self._open and tag != "td"
+
+    def handle_data(self, data):
+        if self._open:
+            self.cells[-1] += data
+
+
+@pytest.mark.parametrize("text", ["dL/dw_e = <dL/dy, E_e(x)> is the derivative", "from_pretrained(<llama4 checkpoint>)",
+                                  "a | b", "AT&T, &lt; as typed", "to_dense -> mlp (k < 4)"])
+def test_table_cell_renders_as_its_text(text):
+    """Rendered by Python-Markdown (mkdocs' own) and read as a browser does, the cell is the text: nothing taken
+    for a tag, no split cell."""
+    parser = _CellText()
+    parser.feed(python_markdown.markdown(f"| h |\n|---|\n| {families.table_cell(text)} |", extensions=["tables"]))
+    assert parser.cells == [text]
 
 
 def test_matrix_cells_come_from_the_method_checks():
