@@ -435,3 +435,24 @@ def test_debug_fast_shortens_the_keys_the_chosen_dataset_has(dataset, shortened)
         cfg = compose("config", overrides=["debug=fast", *given, f"dataset.{key}=7"])
     run.shorten_dataset(cfg, ["debug=fast", *given, f"dataset.{key}=7"])
     assert cfg.dataset[key] == 7
+
+
+def test_an_eval_group_on_a_training_run_is_said_not_run(tmp_path, caplog):
+    """``python run.py dataset=math_data eval=math7 eval.limit=20`` trains and exports; the eval group is not run by
+    task=finetune, and one line says so with the command that evaluates the export (it was silently unused)."""
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.runtime.training import say_eval_not_run
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["eval=math7", "eval.limit=20"])
+        quiet = compose("config")
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.training"):
+        say_eval_not_run(quiet, tmp_path)
+        assert not caplog.messages
+        say_eval_not_run(cfg, tmp_path)
+    assert caplog.messages == [
+        "eval=math7: task=finetune trains and exports, it does not evaluate; evaluate this run's export with: "
+        f"python run.py task=evaluate eval=math7 eval.limit=20 model=tiny_olmoe task.checkpoint={tmp_path / 'export'}"]

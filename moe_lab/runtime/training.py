@@ -91,6 +91,7 @@ def finetune(cfg: DictConfig) -> dict:
 
 def _finetune(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
+    say_eval_not_run(cfg, out)
     slurm.resume_requeued(cfg)  # a requeued SLURM job continues its own last.ckpt
     ckpt_path, field = resume_checkpoint(cfg)
     if ckpt_path is None:
@@ -162,6 +163,17 @@ def _finetune(cfg: DictConfig) -> dict:
         requeue(on_signal.signum)  # in a submitit SLURM job, SIGUSR1/2: submitit requeues and exits
         raise RunInterrupted(128 + int(on_signal.signum or signal.SIGINT))
     return summary
+
+
+def say_eval_not_run(cfg: DictConfig, out: Path) -> None:
+    """``eval=<group>`` on a training run: task=finetune trains and exports; it does not evaluate. One line says so
+    and gives the command that evaluates this run's export (an eval group is otherwise silently unused)."""
+    if cfg.get("eval") is None or cfg.task.name != "finetune":
+        return
+    limit = "" if cfg.eval.get("limit") is None else f" eval.limit={cfg.eval.limit}"
+    log.warning("eval=%s: task=finetune trains and exports, it does not evaluate; evaluate this run's export with: "
+                "python run.py task=evaluate eval=%s%s model=%s task.checkpoint=%s", cfg.eval.get("name"),
+                cfg.eval.get("name"), limit, cfg.model.name, out / "export")
 
 
 def _last_values(rows: list[dict], prefix: str) -> dict:

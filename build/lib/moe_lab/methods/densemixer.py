@@ -1,0 +1,176 @@
+"""DenseMixer (Yao et al. 2025, "DenseMixer: Improving MoE Post-Training with Precise Router Gradient").
+
+Three named estimators (``install_densemixer(gradient=..., forward=...)``); ``w`` are the *dense weights*
+of :func:`dense_weights` (equal to the conventional top-k weights on the selected experts), ``M_j`` =
+1[j in TopK], ``g = dL/dy``, ``E_j(x)`` expert j's unweighted output:
+
+- ``gradient="straight_through"`` (default; the public code and the blog): forward value = the
+  conventional top-k mixture, bit for bit; router gradient ``dL/dw_j = <g, E_j(x)>`` for EVERY expert j
+  (TopK treated as the identity in the backward pass).
+- ``gradient="paper_eq15"``: the paper's Eq. 15, which writes a ``(pi_j + TopK_j)`` factor. Our reading:
+  Eq. 15 differentiates ``y = sum_j pi_j M_j E_j(x)`` by the product rule with the straight-through
+  ``dM_j/dpi_j := 1``, so ``dL/dw_j = (w_j + M_j) <g, E_j(x)>`` (pi_j = w_j, the factor a constant):
+  selected experts get ``(1 + w_j)`` times their conventional router gradient, inactive ones
+  ``w_j <g, E_j(x)>``. Forward value again the conventional one, bit for bit.
+- ``forward="dense", gradient="conventional"``: the paper's ablation "dense forward + conventional
+  gradient". Our reading: while training, the layer's VALUE is the dense mixture ``sum_j w_j E_j(x)`` over
+  all experts, and its gradient is the conventional sparse one (the inactive experts' term is a constant:
+  ``y = y_topk + stopgrad(sum_{j not in TopK} w_j E_j(x))``). Evaluation (``block.eval()``) and exports
+  route conventionally. With renormalised weights the inactive ``w_j`` use the top-k sum as normaliser
+  (see :func:`dense_weights`), so the dense weights then sum to more than 1, as in the STE's extension.
+
+In every variant expert parameters get exactly the conventional gradients and shared experts are untouched.
+Inactive experts run without autograd (in the backward pass for the straight-through variants, in the
+forward pass for the ablation), in token chunks sized to a memory budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils import parametrize
+
+from ..moe.block import MoEBlock, sparse_mixture
+from ..moe.experts import expert_forward, expert_intermediate_size
+from ..moe.patch import MoEPatch
+from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
+from ..moe.support import refuse_undefined
+from .registry import register_method
+
+
+def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Weights [N, E] of every expert whose values at ``indices`` equal the conventional top-k weights.
+
+    - softmax / sigmoid scores, no renormalisation: ``w_e = scaling * s_e``.
+    - renormalised top-k (S = sum, or p-norm, of the selected scores): ``w_e = scaling * s_e / S`` for the selected
+      experts (gradient through S) and ``scaling * s_e / stopgrad(S)`` for the others.
+    - softmax over the top-k logits (GPT-OSS): ``w_e = exp(l_e - m) / Z`` with m the largest selected
+      logit and Z the sum over the selected; inactive experts use ``stopgrad(Z)`` (the same extension as
+      the renormalised case: the top-k softmax, evaluated at an expert outside the top-k).
+    """
+    if rule.score == "sparsemixer":
+        raise ValueError("densemixer is not defined for sparsemixer routing (phimoe)")
+    selected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
+    if rule.softmax_over_topk:
+        top = logits.float().gather(1, indices)
+        peak = top.max(dim=-1, keepdim=True).values.detach()
+        numer = torch.exp(logits.float() - peak)
+        denom = numer.gather(1, indices).sum(dim=-1, keepdim=True)
+        weights = numer / torch.where(selected, denom, denom.detach())
+    else:
+        scores = scores_from_logits(rule, logits)
+        weights = scores
+        if rule.renormalize:
+            denom = topk_denominator(rule, scores.gather(1, indices))
+            weights = scores / torch.where(selected, denom, denom.detach())
+    if rule.scaling != 1.0:
+        weights = weights * rule.scaling
+    return weights.to(logits.dtype) if rule.weights_in_logits_dtype else weights
+
+
+GRADIENTS = ("straight_through", "paper_eq15", "conventional")
+FORWARDS = ("sparse", "dense")
+# the named variants: (forward, gradient)
+VARIANTS = {("sparse", "straight_through"), ("sparse", "paper_eq15"), ("dense", "conventional")}
+
+
+def _inactive_expert_outputs(view, x: torch.Tensor, inactive: torch.Tensor, chunk_tokens: int, visit) -> None:
+    """Run every expert on the tokens where it is inactive, without autograd, in chunks of at most
+    ``chunk_tokens`` tokens; ``visit(e, token ids, outputs)`` consumes each chunk."""
+    with torch.no_grad(), parametrize.cached():
+        for e in range(inactive.shape[1]):
+            tokens = inactive[:, e].nonzero().squeeze(-1)
+            for chunk in tokens.split(chunk_tokens):
+                visit(e, chunk, expert_forward(view, e, x[chunk]))
+
+
+class _InactiveExperts(torch.autograd.Function):
+    """Zero-valued output whose backward gives each inactive weight ``<dL/dy, E_e(x)>``."""
+
+    @staticmethod
+    def forward(ctx, weights, x, inactive, view, chunk_tokens):
+        ctx.save_for_backward(x, inactive)
+        ctx.view, ctx.chunk_tokens = view, chunk_tokens
+        return x.new_zeros(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, inactive = ctx.saved_tensors
+        grad_w = torch.zeros(inactive.shape, dtype=torch.float32, device=x.device)
+
+        def visit(e, chunk, out):
+            grad_w[chunk, e] = (grad_out[chunk].float() * out.float()).sum(-1)
+
+        _inactive_expert_outputs(ctx.view, x, inactive, ctx.chunk_tokens, visit)
+        return grad_w, None, None, None, None
+
+
+class DenseMixerMixture:
+    """``MoEBlock.mixer`` of DenseMixer (the variants of the module docstring)."""
+
+    runs_inactive_experts = True  # refused under ZeRO-3 / FSDP (moe_lab.runtime.strategies), which shard the experts
+
+    def __init__(self, chunk_tokens: int, gradient: str = "straight_through", forward: str = "sparse"):
+        self.chunk_tokens = chunk_tokens
+        self.gradient = gradient
+        self.forward = forward
+
+    def __call__(self, block: MoEBlock, x, logits, weights, indices):
+        view = block.view.obj
+        if self.forward == "dense":
+            return self._dense_forward(block, view, x, logits, weights, indices)
+        if not torch.is_grad_enabled() or not logits.requires_grad:
+            return sparse_mixture(block, x, logits, weights, indices)
+        if self.gradient == "paper_eq15":
+            # same value bit for bit (w - stopgrad(w) == 0 exactly); dL/dw scaled by (1 + w) on the top-k
+            weights = weights + weights.detach() * (weights - weights.detach())
+        out = sparse_mixture(block, x, logits, weights, indices)
+        dense = dense_weights(view.rule, logits, indices)
+        inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
+        straight = dense.masked_fill(~inactive, 0.0)
+        if self.gradient == "paper_eq15":
+            straight = straight * dense.detach()  # dL/dw_j = w_j <g, E_j(x)> off the top-k
+        straight = _InactiveExperts.apply(straight, x.detach(), inactive, view, self.chunk_tokens)
+        return out + straight.to(out.dtype)
+
+    def _dense_forward(self, block, view, x, logits, weights, indices):
+        out = sparse_mixture(block, x, logits, weights, indices)
+        if not block.training:
+            return out
+        with torch.no_grad():
+            dense = dense_weights(view.rule, logits, indices)
+            inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
+            extra = torch.zeros_like(out)
+
+            def visit(e, chunk, expert_out):
+                extra[chunk] += (dense[chunk, e, None] * expert_out).to(extra.dtype)  # a chunk's tokens are distinct
+
+            _inactive_expert_outputs(view, x.detach(), inactive, self.chunk_tokens, visit)
+        return out + extra
+
+
+@register_method("densemixer")
+def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradient: str = "straight_through",
+                       forward: str = "sparse") -> None:
+    """Install DenseMixer on every MoE layer.
+
+    ``gradient``/``forward``: the variant (module docstring): ``straight_through`` (default) or
+    ``paper_eq15`` with ``forward="sparse"``; ``forward="dense", gradient="conventional"`` is the paper's
+    ablation. ``memory_budget_mb`` bounds the activations of one inactive-expert chunk (tokens per chunk =
+    budget / bytes of one token's expert activations).
+    """
+    if memory_budget_mb <= 0:
+        raise ValueError(f"method.options.memory_budget_mb must be > 0, got {memory_budget_mb}")
+    if gradient not in GRADIENTS:
+        raise ValueError(f"method.options.gradient={gradient!r} is not one of {GRADIENTS}")
+    if forward not in FORWARDS:
+        raise ValueError(f"method.options.forward={forward!r} is not one of {FORWARDS}")
+    if (forward, gradient) not in VARIANTS:
+        fix = ("sparse forward + conventional gradient is method=sft" if gradient == "conventional" else
+               "the dense forward is the paper's ablation with gradient=conventional")
+        raise ValueError(f"method.options.forward={forward!r} with gradient={gradient!r} is not a DenseMixer "
+                         f"variant ({fix}); variants (forward, gradient): {sorted(VARIANTS)}")
+    for view, block in zip(patch.views, patch.layers):
+        refuse_undefined("densemixer", view.spec, view.rule)
+        width = 3 * expert_intermediate_size(view) + 2 * view.config.hidden_size
+        per_token = width * view.down_proj.element_size()
+        block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)

@@ -1,0 +1,87 @@
+"""Which methods are defined for which routing or expert layout: the one place an installer asks before it
+refuses, and that the support matrix (``python -m moe_lab.families --markdown``) reads.
+
+A method not named in :data:`UNDEFINED` works on every family's uniform view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .layout import LAYOUTS
+from .registry import NO_DENSE_TARGET, FamilySpec
+from .routing import RoutingRule
+
+
+def _sparsemixer(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
+    return lambda spec, rule: reason if rule.score == "sparsemixer" else None
+
+
+def _first(*checks: Callable[[FamilySpec, RoutingRule], str | None]) -> Callable[[FamilySpec, RoutingRule], str | None]:
+    """The first reason any of ``checks`` gives (None when none does)."""
+    return lambda spec, rule: next((r for r in (check(spec, rule) for check in checks) if r is not None), None)
+
+
+def _output_weighted(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
+    """``reason`` for families whose routing weight scales the expert input (registry ``weight_on_input``)."""
+    return lambda spec, rule: f"{reason}; here the routing weight scales the expert input, y = sum_e E_e(w_e x)" \
+        if spec.weight_on_input else None
+
+
+def _condensable(spec: FamilySpec, rule: RoutingRule) -> str | None:
+    if spec.weight_on_input:
+        return "condensed layers are shared + sum_e g_e E_e(x), fixed gates on the expert outputs; here the routing " \
+               "weight scales the expert input, y = sum_e E_e(w_e x), which a fixed output gate does not reproduce"
+    if LAYOUTS[spec.expert_layout].biases:
+        return "condensed layers compute act(gate) * up on the layout's role views, without expert biases (GPT-OSS's " \
+               "clamped GLU with biases is not implemented)"
+    if spec.expert_act != "act_fn":
+        return "condensed layers compute act(gate) * up; these experts use their own clamped gate (_apply_gate)"
+    if spec.output_scaling_field:
+        return f"condensed layers do not apply the block's output scaling ({spec.output_scaling_field})"
+    if spec.shared_combine_field:
+        return f"condensed layers sum the shared path; this block may average it ({spec.shared_combine_field})"
+    if spec.output_norm_attr:
+        return f"condensed layers do not apply the block's output norm ({spec.output_norm_attr})"
+    return None
+
+
+def _dense_target(spec: FamilySpec, rule: RoutingRule) -> str | None:
+    if spec.dense_target is None:
+        return NO_DENSE_TARGET.get(spec.model_type, "no vanilla dense HF target (registry dense_target is None)")
+    return None
+
+
+# method -> check(spec, rule): the reason the method is undefined for that family, or None
+UNDEFINED: dict[str, Callable[[FamilySpec, RoutingRule], str | None]] = {
+    "densemixer": _first(
+        _sparsemixer("sparsemixer routing already has its own router-gradient estimator (Heun's third-order); use "
+                     "method=sft"),
+        _output_weighted("DenseMixer's straight-through router gradient dL/dw_e = <dL/dy, E_e(x)> is the derivative "
+                         "of the output-weighted mixture sum_e w_e E_e(x) (TopK as the identity), and the paper defines "
+                         "no estimator for dy/dw_e = J_e(w_e x) x")),
+    "compressed_experts": _output_weighted(
+        "Compressed Experts' mixture is sum_main w_i E_i(x * u), the router weight on the main experts' outputs and "
+        "the auxiliary vectors on their input (and a top-1 router has no auxiliary expert at all)"),
+    "condenser": _sparsemixer("selection biases and forced experts are not defined for sparsemixer routing"),
+    "condense": _condensable,
+    # calibration scores read from the router-weighted output norm w_e ||f_e(x)|| (f_e unweighted)
+    "reap": _output_weighted("REAP scores an expert by its router-weighted output norm w_e norm(E_e(x)), the size of "
+                             "its contribution to sum_e w_e E_e(x); use another score (e.g. ean_mean, es_act)"),
+    "es_mag": _output_weighted("gated ES-Mag scores an expert by norm(w_e E_e(x)), its contribution to sum_e w_e E_e(x); "
+                               "use es_mag variant=ungated"),
+    "to_dense": _dense_target,
+}
+
+
+def undefined_reason(method: str, spec: FamilySpec, rule: RoutingRule) -> str | None:
+    """Why ``method`` is not defined for the family of ``spec`` (with routing ``rule``); None when it is."""
+    check = UNDEFINED.get(method)
+    return None if check is None else check(spec, rule)
+
+
+def refuse_undefined(method: str, spec: FamilySpec, rule: RoutingRule) -> None:
+    """Raise a ValueError naming ``method``, the family and the reason when the method is undefined for it."""
+    reason = undefined_reason(method, spec, rule)
+    if reason is not None:
+        raise ValueError(f"{method} is not defined for {spec.model_type}: {reason}")

@@ -1,0 +1,170 @@
+"""Per-GPU memory of a run by moe-lab's own estimate (:mod:`moe_lab.analysis.estimate`, meta device, no weights),
+and the refusal, before any weight loads, of a run that would not fit the device it is about to use."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+from omegaconf import DictConfig, OmegaConf
+
+from .strategies import config_strategy_kind
+
+log = logging.getLogger(__name__)
+
+#: estimate strategy -> the hardware setting that runs it (ddp on one GPU: hardware=gpu)
+HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
+            "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp"}
+#: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
+#: parameters)
+REFUSED = {"esft": ("fsdp",), "lora": ("fsdp",)}
+ASSUMED_GPU_GB = 80.0  # the papers' machines: 8 x 80 GB
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def estimate_strategy(trainer_cfg) -> str:
+    """The :data:`moe_lab.analysis.estimate.STRATEGIES` row of a ``hardware.trainer`` config."""
+    kind = config_strategy_kind(trainer_cfg)
+    if kind == "deepspeed_zero3":
+        node = trainer_cfg.get("strategy")
+        offload = hasattr(node, "get") and (node.get("offload_parameters") or node.get("offload_optimizer"))
+        return "zero3_offload" if offload else "zero3"
+    return {"deepspeed_zero2": "zero2", "fsdp": "fsdp"}.get(kind, "ddp")
+
+
+def estimate_method(cfg: DictConfig) -> str:
+    """The estimate's method row for ``cfg.method`` (condenser budget, LoRA, ESFT variants, KD)."""
+    if cfg.method.get("lora"):
+        return "lora"
+    if cfg.method.get("name") == "kd":  # teacher (frozen) + student
+        return "kd"
+    kind = str(cfg.method.get("method") or cfg.method.get("name"))
+    if kind == "condenser":
+        budget = OmegaConf.select(cfg, "method.options.budget", default="replace")
+        return f"condenser_{budget}"
+    return kind if kind in ("densemixer", "compressed_experts", "esft", "kd") else "sft"
+
+
+def sequence(cfg: DictConfig) -> tuple[int, int]:
+    """``(tokens per sequence, sequences per micro-batch per GPU)`` of the training data."""
+    d = cfg.dataset
+    return int(d.get("max_length") or d.get("block_size") or 2048), int(d.get("batch_size") or 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _estimate(model_json: str, seq_len: int, batch: int, gpus: int, dtype: str, condenser_n: int,
+              with_student: bool) -> dict:
+    from ..analysis.estimate import Options, architecture_config, estimate
+    from ..models import DTYPES
+
+    config = architecture_config(OmegaConf.create(json.loads(model_json)))
+    return estimate(config, seq_len=seq_len, batch=batch, opts=Options(condenser_n=condenser_n), gpus=gpus,
+                    param_bytes=BYTES.get(dtype, 2), dtype=DTYPES[dtype], with_student=with_student)
+
+
+def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = None) -> dict:
+    """The estimate for this run: its method, strategy, activation checkpointing, GB per GPU on ``gpus`` ranks, and
+    (``options``: [(hardware, GB)]) every strategy's GB per GPU for the same method on ``alternatives_gpus`` ranks
+    (default ``gpus``; the sharded settings run on every GPU of the node), refused strategies left out."""
+    method, strategy = estimate_method(cfg), estimate_strategy(cfg.hardware.trainer)
+    seq_len, batch = sequence(cfg)
+    ckpt = bool(cfg.method.get("gradient_checkpointing", False))
+    n = int(OmegaConf.select(cfg, "method.options.n", default=2) or 2) if method.startswith("condenser") else 2
+    dtype = str(cfg.model.get("dtype") or "bfloat16")
+    model = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True)
+    gpus, alt = max(1, gpus), max(1, alternatives_gpus or gpus)
+
+    def rows(ranks: int) -> dict:
+        # the ddp row does not depend on the number of ranks: one estimate serves both when the run is unsharded
+        result = _estimate(model, seq_len, batch, ranks, dtype, n, method == "kd")
+        if method not in result["methods"]:
+            raise ValueError(f"method {cfg.method.get('name')}: {method} is not defined for this model's routing "
+                             f"(model={cfg.model.get('name')}; a top-1 router has no auxiliary expert): choose "
+                             "another method")
+        return {r["strategy"]: r for r in result["methods"][method]["memory"] if r["activation_checkpointing"] == ckpt}
+
+    alternatives = rows(alt)
+    current = alternatives if strategy == "ddp" or alt == gpus else rows(gpus)
+    names = {**HARDWARE, "ddp": "gpu" if gpus <= 1 else "gpu_ddp"}
+    options = [(HARDWARE[s] if s != "ddp" else names["ddp"], r["gpu_total_gb"]) for s, r in alternatives.items()
+               if s not in REFUSED.get(method, ())]
+    return {"method": method, "strategy": strategy, "hardware": names[strategy], "checkpointing": ckpt,
+            "seq_len": seq_len, "batch": batch, "gpus": gpus, "alternatives_gpus": alt,
+            "gpu_gb": current[strategy]["gpu_total_gb"], "cpu_gb": current[strategy]["cpu_gb"], "options": options}
+
+
+def device_memory_gb(cfg: DictConfig) -> tuple[float | None, str]:
+    """``(GB, where from)`` of the GPU this run is about to use: ``hardware.gpu_memory_gb`` when set, else the CUDA
+    device's own (GPU hardware on a CUDA machine), else ``(None, why not)``."""
+    given = OmegaConf.select(cfg, "hardware.gpu_memory_gb", default=None)
+    if given is not None:
+        return float(given), "hardware.gpu_memory_gb"
+    if str(OmegaConf.select(cfg, "hardware.trainer.accelerator", default="auto")) not in ("gpu", "cuda", "auto"):
+        return None, "not a GPU run"
+    return _cuda_memory_gb()
+
+
+def _cuda_memory_gb() -> tuple[float | None, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.total_memory / 2**30, props.name
+
+
+def world_size(cfg: DictConfig) -> tuple[int, str]:
+    """``(data-parallel ranks, note)``: ``hardware.trainer.devices``; ``-1``/``auto`` is every CUDA GPU here, or
+    (planning without one) 8, the papers' nodes."""
+    trainer = cfg.hardware.trainer
+    devices = trainer.get("devices", 1)
+    if isinstance(devices, int) and devices >= 1:
+        return devices, ""
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices), ""
+    if str(trainer.get("accelerator", "auto")) == "cpu":
+        return 1, ""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), f"devices={devices}: the {torch.cuda.device_count()} CUDA GPUs here"
+    return 8, f"devices={devices} (every GPU): 8 assumed (no CUDA here; set hardware.trainer.devices=N)"
+
+
+def fitting(estimate: dict, memory_gb: float) -> list[str]:
+    """``hardware=<name> (<GB> GB)`` of every strategy whose estimate fits ``memory_gb`` (sharded ones on
+    ``alternatives_gpus`` GPUs)."""
+    return [f"hardware={name} ({gb:.1f} GB)" for name, gb in estimate["options"] if gb <= memory_gb]
+
+
+def node_gpus() -> int:
+    """GPUs of this node (CUDA), else 8, the papers' nodes: what a sharded setting with ``devices=-1`` runs on."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 8
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """Refuse a fine-tuning run whose estimated memory per GPU exceeds the GPU it is about to use, naming the
+    estimate and the hardware settings that fit. Nothing is checked on CPU or when the device memory is unknown."""
+    if cfg.task.name != "finetune":
+        return
+    memory, source = device_memory_gb(cfg)
+    if memory is None:
+        return
+    est = memory_estimate(cfg, world_size(cfg)[0], node_gpus())
+    if est["gpu_gb"] <= memory:
+        log.info("memory: %.1f GB per GPU estimated (method=%s, hardware=%s, %d GPUs), %.0f GB available (%s)",
+                 est["gpu_gb"], est["method"], est["hardware"], est["gpus"], memory, source)
+        return
+    fit = fitting(est, memory)
+    ckpt = "" if est["checkpointing"] else "; or method.gradient_checkpointing=true"
+    raise ValueError(
+        f"memory: moe-lab's estimate is {est['gpu_gb']:.1f} GB per GPU for method={cfg.method.name} "
+        f"({est['method']}) under hardware={est['hardware']} ({est['gpus']} GPU{'s' * (est['gpus'] != 1)}, "
+        f"{est['batch']} x {est['seq_len']} tokens per micro-batch, activation checkpointing "
+        f"{'on' if est['checkpointing'] else 'off'}), above the {memory:.0f} GB of this GPU ({source}). "
+        + (f"Hardware settings that fit (on {est['alternatives_gpus']} GPUs): {', '.join(fit)}" if fit
+           else "No hardware setting fits at this size")
+        + f"{ckpt}; or a smaller dataset.batch_size (python run.py ... task=estimate shows every setting)")

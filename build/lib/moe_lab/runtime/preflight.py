@@ -1,0 +1,139 @@
+"""Checks that run before anything is loaded, so a mistyped number or a missing device fails in a second
+with the config field and the fix, not minutes later deep inside Lightning or torch."""
+
+from __future__ import annotations
+
+import logging
+import math
+import netrc
+import os
+import socket
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# field -> (kind, smallest allowed value, strictly greater?)
+FINETUNE_NUMBERS = {
+    "task.trainer.log_every_n_steps": ("int", 1, False),
+    "task.trainer.accumulate_grad_batches": ("int", 1, False),
+    "task.checkpoint_every_n_steps": ("int", 1, False),
+    "task.optim.lr": ("float", 0.0, True),
+    "task.optim.weight_decay": ("float", 0.0, False),
+    "task.scheduler.warmup_steps": ("int", 0, False),
+    "dataset.batch_size": ("int", 1, False),
+    "dataset.max_length": ("int", 1, False),
+}
+
+
+def _number(field: str, value, kind: str):
+    example = {"int": "1000", "float": "3e-4"}[kind]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(  # noqa: TRY004 - a config value, reported like every other bad value
+            f"{field}={value!r} is not a number: write it out in digits, e.g. {field}={example}")
+    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{field}={value!r} must be a whole number, e.g. {field}={example}")
+    if not math.isfinite(value):
+        raise ValueError(f"{field}={value!r} must be finite, e.g. {field}={example}")
+    return value
+
+
+def check_length(cfg: DictConfig) -> None:
+    """The run ends: ``max_steps >= 1``, or ``max_steps=-1`` with ``max_epochs >= 1`` (an epoch-based run, as the
+    papers' presets are; its optimizer steps follow from the data: :func:`moe_lab.runtime.plan.optimizer_steps`)."""
+    steps_field, epochs_field = "task.trainer.max_steps", "task.trainer.max_epochs"
+    steps = OmegaConf.select(cfg, steps_field, default=None)
+    epochs = OmegaConf.select(cfg, epochs_field, default=None)
+    steps = -1 if steps is None else _number(steps_field, steps, "int")
+    epochs = -1 if epochs is None else _number(epochs_field, epochs, "int")
+    if epochs == 0 or epochs < -1:
+        raise ValueError(f"{epochs_field}={epochs} must be >= 1, or -1 to end the run by {steps_field}")
+    if steps == 0:
+        raise ValueError(f"{steps_field}=0 must be >= 1, or -1 with {epochs_field} >= 1 (max_steps=0 trains "
+                         "nothing: to score a model without training use task=evaluate)")
+    if steps < -1:
+        raise ValueError(f"{steps_field}={steps} must be >= 1, or -1 with {epochs_field} >= 1")
+    if steps == -1 and epochs == -1:
+        raise ValueError(f"{steps_field}=-1 and {epochs_field}=-1: the run would never end. Set {steps_field} "
+                         f"(e.g. {steps_field}=1000) or {epochs_field} (e.g. {epochs_field}=2 {steps_field}=-1)")
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """Every numeric training field has the right type and range (``max_steps=1k``, ``lr=-1``, ...)."""
+    check_length(cfg)
+    for field, (kind, low, strict) in FINETUNE_NUMBERS.items():
+        value = OmegaConf.select(cfg, field, default=None)
+        if value is None:
+            continue
+        value = _number(field, value, kind)
+        if value < low or (strict and value == low):
+            relation = f"> {low}" if strict else f">= {low}"
+            raise ValueError(f"{field}={value} must be {relation}")
+    interval = OmegaConf.select(cfg, "task.trainer.val_check_interval", default=None)
+    if interval is not None:
+        interval = _number("task.trainer.val_check_interval", interval, "float")
+        if interval <= 0 or (isinstance(interval, float) and not interval.is_integer() and interval > 1):
+            raise ValueError(f"task.trainer.val_check_interval={interval}: use a number of training batches (e.g. "
+                             "250) or a fraction of an epoch in (0, 1]")
+        accumulate = OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1
+        if isinstance(interval, int) and interval > 1 and int(accumulate) > 1:  # Lightning counts micro-batches
+            log.info("task.trainer.val_check_interval=%d counts training batches: with accumulate_grad_batches=%d "
+                     "validation runs every %g optimizer steps", interval, int(accumulate), interval / int(accumulate))
+
+
+def check_hardware(cfg: DictConfig) -> None:
+    """``hardware=gpu`` on a machine without CUDA names ``hardware=cpu`` instead of failing in Lightning."""
+    accelerator = str(OmegaConf.select(cfg, "hardware.trainer.accelerator", default="auto"))
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"hardware.trainer.accelerator={accelerator}, but torch {torch.__version__} sees no "
+                               "CUDA device on this machine: use hardware=cpu (or hardware=ddp_cpu for 2 processes)")
+
+
+def _wandb_key_present(host: str) -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def check_wandb(cfg: DictConfig, timeout_s: float = 3.0) -> None:
+    """With a W&B logger and no API key or no route to the W&B server, switch to ``WANDB_MODE=offline`` at once
+    (one line says so and how to sync later) instead of failing after a long network timeout."""
+    nodes = [n for n in (cfg.get("logger") or {}).values()
+             if n is not None and str(n.get("_target_", "")).endswith("WandbLogger")]
+    if not nodes or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") \
+            or all(n.get("offline") for n in nodes):
+        return
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host = url.hostname or "api.wandb.ai"
+    if not _wandb_key_present(host):
+        reason = "no W&B API key (WANDB_API_KEY or `wandb login`)"
+    else:
+        try:
+            socket.create_connection((host, url.port or 443), timeout=timeout_s).close()
+            return
+        except OSError as err:
+            reason = f"{host} is unreachable ({type(err).__name__})"
+    os.environ["WANDB_MODE"] = "offline"
+    log.warning("logger=wandb: %s, logging offline (WANDB_MODE=offline); upload later with `wandb sync`", reason)
+
+
+def preflight(cfg: DictConfig, plan: bool = False) -> None:
+    """All checks for ``cfg.task.name`` (the finetune checks only where they apply). ``plan=True`` (``plan=true``)
+    keeps the checks of the config and skips those of this machine (CUDA, memory of its GPU, W&B's network):
+    a plan is made anywhere and reports the memory instead of refusing."""
+    from .memory_fit import check_memory
+
+    if cfg.task.name == "finetune":
+        check_numbers(cfg)
+    if plan:
+        return
+    check_hardware(cfg)
+    check_memory(cfg)
+    check_wandb(cfg)
