@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2` on 2 cores: one thread per worker (and its subprocesses), set
@@ -197,3 +198,21 @@ def pytest_collection_modifyitems(config, items):
     start at once instead of leaving one worker alone with them at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-process group for DeepSpeed's engine (gloo on CPU, NCCL on a GPU); destroyed, and the environment
+    restored, after the test file (later tests' DDP subprocesses must not inherit its rank and port)."""
+    import deepspeed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = dict(os.environ)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    yield
+    torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)  # later tests' DDP subprocesses must not inherit this group's rank and port

@@ -11,8 +11,6 @@ while the frozen slices never move at all).
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -60,23 +58,6 @@ def test_sliced_decay_moves_the_trained_slices_exactly_as_adamw_and_the_frozen_o
             s.step()
     assert torch.equal(sliced[mask], whole[mask])
     assert torch.equal(sliced[~mask], initial[~mask]) and not torch.equal(whole[~mask], initial[~mask])
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-process gloo group for DeepSpeed's CPU engine; destroyed and the environment restored after."""
-    import deepspeed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = dict(os.environ)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _esft(model, kind: str | None):

@@ -16,8 +16,6 @@ from the arithmetic can bound.
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -33,23 +31,6 @@ pytestmark = pytest.mark.slow
 DEVICE, BACKEND = ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
 
 STEPS, LR = 3, 1e-2
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-process group, as DeepSpeed needs one; destroyed, and the environment restored, after this file."""
-    import deepspeed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = dict(os.environ)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend=BACKEND)
-    yield
-    torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)  # later tests' DDP subprocesses must not inherit this group's rank and port
 
 
 def _losses(model, step_fn, batch) -> list[float]:
