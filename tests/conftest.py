@@ -214,5 +214,9 @@ def one_rank():
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     yield
     torch.distributed.destroy_process_group()
+    from deepspeed.utils import groups
+
+    deepspeed.comm.comm.cdb = None  # DeepSpeed's handles on the destroyed group: the next file's group starts anew
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     os.environ.clear()
     os.environ.update(saved)  # later tests' DDP subprocesses must not inherit this group's rank and port
