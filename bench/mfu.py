@@ -8,9 +8,11 @@ peak, model FLOPs per token = 6 x active parameters (attention projections, rout
 + 6 x layers x seq x hidden (causal attention scores and values). DenseMixer's extra forward of the inactive
 experts is not counted as model FLOPs (its MFU is conventional-SFT-equivalent work per second).
 
-    python bench/mfu.py [--layers 4] [--batch 8] [--seq 2048] [--steps 10] [--methods hf,sft,densemixer,...]
+    python bench/mfu.py [--layers 4] [--batch 8] [--seq 2048,8192] [--steps 10] [--methods hf,sft,densemixer,...]
 
-Prints one line per method: tokens/s, step time, MFU, peak memory, and the ratio to vanilla HF's step.
+Prints one line per (sequence length, method): tokens/s, step time, MFU, peak memory, and the ratios to vanilla
+HF's and moe-lab sft's steps (``--seq`` takes a comma list: a sweep; the batch keeps ``--batch`` x 2048 tokens).
+Last, the published anchors, each with its own model and GPU, beside which ours stand (they are not runs of ours).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ import transformers
 from methods import build, optimizer  # bench/ is on sys.path when run as `python bench/mfu.py`
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+#: published throughput of other tools, as their authors measured it (not comparable model for model: read as anchors)
+ANCHORS = (
+    "torchtitan, Qwen3-30B-A3B, natural routing, 8 x H200: MFU 0.299",
+    "NVIDIA NeMo AutoModel, Qwen3-30B-A3B, H100: MFU 0.28",
+    "SonicMoE, fine-grained 7B MoE of OLMoE's kind, H100: about 38k tokens/s/GPU",
+    "Liger's fused MoE kernel, Qwen3-30B-A3B expert shapes: 413 TFLOP/s forward + backward",
+)
 
 
 def olmoe_config(layers: int, seq: int) -> transformers.OlmoeConfig:
@@ -83,27 +92,34 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", default="2048", help="sequence length, or a comma list to sweep (e.g. 2048,8192)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", default="hf,hf_bf16_weights,sft,frozen_router,condenser,esft,densemixer,compressed_experts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py needs a CUDA GPU")
+    for seq in (int(s) for s in str(args.seq).split(",")):
+        run_seq(args, seq, max(1, args.batch * 2048 // seq))
+    print("anchors (published, their model and GPU): " + "; ".join(ANCHORS))
+
+
+def run_seq(args, seq: int, batch_size: int) -> None:
+    """Every method at one sequence length (``batch_size`` sequences a step)."""
     torch.manual_seed(0)
-    cfg = olmoe_config(args.layers, args.seq)
+    cfg = olmoe_config(args.layers, seq)
     base = transformers.AutoModelForCausalLM.from_config(cfg).cuda().train()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda",
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    tokens = args.batch * args.seq
-    model_flops = flops_per_token(cfg, args.seq) * tokens
+    tokens = batch_size * seq
+    model_flops = flops_per_token(cfg, seq) * tokens
     peak = peak_tflops()
     params = sum(p.numel() for p in base.parameters())
     print(f"bench=mfu gpu={torch.cuda.get_device_name()} torch={torch.__version__} "
           f"transformers={transformers.__version__} experts_implementation={base.config._experts_implementation} "
           f"config=olmoe-widths(h2048,E64,k8,I1024,L{args.layers}) params={params / 1e9:.2f}B "
-          f"batch={args.batch}x{args.seq} steps={args.steps} peak_bf16_tflops={peak}")
+          f"batch={batch_size}x{seq} steps={args.steps} peak_bf16_tflops={peak}")
     results = {}
     for method in args.methods.split(","):
         try:
@@ -112,10 +128,13 @@ def main():
             print(f"method={method} error={type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             continue
         results[method] = step
-        ratio = f"{step / results['hf']:.3f}" if "hf" in results else "n/a"
-        print(f"method={method} step_s={step:.4f} tokens_per_s={tokens / step:,.0f} "
+        ratio = {ref: f"{step / results[ref]:.3f}" if ref in results else "n/a" for ref in ("hf", "sft")}
+        print(f"seq={seq} method={method} step_s={step:.4f} tokens_per_s={tokens / step:,.0f} "
               f"tflops={model_flops / step / 1e12:.1f} mfu={model_flops / step / 1e12 / peak:.3f} "
-              f"peak_mem_gib={mem:.1f} step_ratio_vs_hf={ratio}")
+              f"peak_mem_gib={mem:.1f} step_ratio_vs_hf={ratio['hf']} step_ratio_vs_sft={ratio['sft']}")
+    del base
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
