@@ -141,3 +141,23 @@ def test_reference_rows_and_limits():
     assert collect.normalised(a, "B")[-1]["ours"] is None
     assert collect.normalised(a + b[:1], "B")[2]["ours"] is None
     assert collect.compare([], [], normalise_to="B")[0] == []
+
+
+def test_printed_norm_perf_cells_get_our_ratio_per_column(runs, capsys):
+    """The paper's printed Norm. Perf. (%) cells (shipped reported.csv, Tables 4 and 6) beside ours, per column:
+    General IFEval CE 38 / Top-k SFT 40 -> 95.00 (paper 88.6); Specialized GSM8K 54 / 60 -> 90.00 (paper 92.0),
+    HumanEval pass@10 41 / 40 -> 102.50 (paper 97.7); the Avg. column has no cell of ours (n/a); the printed row
+    gets no Normalised line of its own."""
+    _, dirs = runs
+    assert collect.main(["compressed_experts", *dirs]) == 0
+    out, table, cells = capsys.readouterr().out, None, {}
+    for line in out.splitlines():
+        table = line[4:] if line.startswith("### ") else table
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) > 8 and parts[2] == collect.PRINTED_NORMALISED:
+            assert parts[4] != collect.NORMALISED
+            cells[(table, parts[4])] = parts[6:9]
+    assert cells[("General", "IFEval")] == ["88.60", "95.00", "+6.40"]
+    assert cells[("General", "Avg.")] == ["96.30", "n/a", "n/a"]
+    assert cells[("Specialized", "GSM8K")] == ["92.00", "90.00", "-2.00"]
+    assert cells[("Specialized", HE)] == ["97.70", "102.50", "+4.80"]
