@@ -24,7 +24,10 @@ Paper cells without a value (not in the specs) print ``n/a``; the difference is 
 and ``n/a`` where either side is missing or the metrics differ. Results on ``eval.limit`` rows are marked *.
 A paper with a normalised-performance column (``NORMALISE``: Compressed Experts, method / full top-k) gets one
 ``Normalised`` line per row: 100 x the row's mean over its benchmarks / the same model's top-k row's mean over
-the same benchmarks, the paper's and ours apart (``n/a`` where a cell of either row is missing).
+the same benchmarks, the paper's and ours apart (``n/a`` where a cell of either row is missing). The paper's own
+printed normalised cells (paper_row ``Norm. Perf.``) get ours per column: 100 x our cell of that row label / our
+reference row's cell. Cost tables (``COST_TABLES``: latency, offload timing, FLOPs, training time) get no
+Normalised line; their cells of ours come from ``bench/`` scripts' ``summary.json`` (no checkpoint: train empty).
 """
 
 from __future__ import annotations
