@@ -283,7 +283,7 @@ def printed_normalised(rows: list[dict], reported: list[dict], reference: str) -
             mine, ref = scores.get((key(cell), cell["row"])), refs.get(key(cell))
             num, den = (None if r is None else r["ours"] for r in (mine, ref))
             value = 100.0 * num / den if num is not None and den else None
-            row = {**row, "ours": value, "run": mine["run"] if value is not None else None,
+            row = {**row, "metric": cell["metric"], "ours": value, "run": mine["run"] if value is not None else None,
                    "limit": mine["limit"] if value is not None else None,
                    "diff": value - row["paper"] if value is not None and row["paper"] is not None else None}
         out.append(row)

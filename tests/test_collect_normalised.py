@@ -156,6 +156,7 @@ def test_printed_norm_perf_cells_get_our_ratio_per_column(runs, capsys):
         parts = [p.strip() for p in line.split("|")]
         if len(parts) > 8 and parts[2] == collect.PRINTED_NORMALISED:
             assert parts[4] != collect.NORMALISED
+            assert parts[5] == "% of Top-k SFT", parts  # the ratio's metric, not the cell's (GSM8K: acc)
             cells[(table, parts[4])] = parts[6:9]
     assert cells[("General", "IFEval")] == ["88.60", "95.00", "+6.40"]
     assert cells[("General", "Avg.")] == ["96.30", "n/a", "n/a"]
