@@ -80,3 +80,12 @@ def test_flow_on_cpu(tmp_path, capsys):
         assert len(json.loads((out / f"{method}_iterations.json").read_text())["iteration_seconds"]) == 3
     assert code == 0
     assert "method=sft status='ok'" in capsys.readouterr().out
+    # summary.json for experiments.collect: reported.csv's "Offload timing" cells, ours beside the paper's
+    from experiments import collect
+
+    assert collect.main(["condenser", str(out), "--as", "tiny_olmoe=deepseek_v2_lite"]) == 0
+    shown = [[c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| DeepSeek-V2-Lite")]
+    times = {p[2]: p[6:8] for p in shown if p[4] == "Time"}
+    assert set(times) == {"DenseMixer", "SFT", "Expert Condenser"} and times["SFT"][0] == "152.78"
+    assert all(ours != "n/a" for _, ours in times.values())
