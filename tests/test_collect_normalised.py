@@ -4,8 +4,9 @@ Oracle: evaluate and training run directories written by hand, with values whose
 by hand in the comments (no code shared with collect): General (the paper's Tables 3/4, trained on TULU 3) Top-k SFT
 mean 40, Compressed Experts 38 -> 95.00; Specialized (Tables 5/6: GSM8K from MathInstruct, HumanEval from
 Magicoder) Top-k SFT 50, Compressed Experts 47.5 -> 95.00; the k_main 4 row (GSM8K only) 54 against its table's
-Top-8 row (the same Top-k SFT run, GSM8K 60) -> 90.00; a row with a missing cell -> n/a. The paper's side from a copy of reported.csv with
-numbers filled in by the test, and from the shipped reported.csv (the paper's Table 1 / 6 numbers).
+Top-8 row (the same Top-k SFT run, GSM8K 60) -> 90.00; a row with a missing cell -> n/a. The paper's side from a
+copy of reported.csv with numbers filled in by the test, and from the shipped reported.csv (the paper's Table 1 / 6
+numbers).
 """
 
 from __future__ import annotations

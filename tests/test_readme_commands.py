@@ -192,9 +192,9 @@ NOT_RUNNABLE = {
 for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation"):
     NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
 for _weights in ("<OLMoE-1B-7B-0924>", "..."):
-    NOT_RUNNABLE[f"python bench/compressed_experts_latency.py --model olmoe --out <dir> -- model.pretrained={_weights}"] = (
-        "the real OLMoE on a GPU (tests/analysis/test_compressed_experts_latency_bench.py runs its flow on CPU at tiny "
-        "width)")
+    _latency = f"python bench/compressed_experts_latency.py --model olmoe --out <dir> -- model.pretrained={_weights}"
+    NOT_RUNNABLE[_latency] = ("the real OLMoE on a GPU (tests/analysis/test_compressed_experts_latency_bench.py runs "
+                              "its flow on CPU at tiny width)")
 NOT_RUNNABLE.update({
     "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",
