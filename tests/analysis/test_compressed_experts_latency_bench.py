@@ -12,7 +12,7 @@ from experiments import collect
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-import compressed_experts_latency as bench  # noqa: E402  bench/compressed_experts_latency.py
+import compressed_experts_latency as bench  # bench/compressed_experts_latency.py
 
 
 def test_defaults_are_the_papers_protocol():
