@@ -143,6 +143,20 @@ def run_row(method: str, args, out: Path) -> dict:
     return row
 
 
+def collect_cells(rows: list[dict], model: str, window: int) -> list[dict]:
+    """The measured rows as results-table cells for ``python -m experiments.collect condenser <out>`` (reported.csv
+    table "Offload timing"): ``Time`` in seconds per 10 iterations, ``Speedup`` against DenseMixer (else SFT)."""
+    ok = {r["method"]: r["seconds_per_window"] * 10 / window for r in rows if r["status"] == "ok"}
+    reference = "densemixer" if "densemixer" in ok else "sft" if "sft" in ok else None
+    cells = []
+    for method, seconds in ok.items():
+        cells.append({"model": model, "method": method, "column": "Time", "value": seconds, "averaged": False})
+        if reference is not None:
+            cells.append({"model": model, "method": method, "column": "Speedup", "value": ok[reference] / seconds,
+                          "averaged": False})
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="deepseek_v2_lite")
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('seconds_per_window', math.nan):.2f} std={r.get('std', math.nan):.2f} "
               f"speedup_vs_{reference}={speedup:.2f} paper_s_per_10={PAPER.get(r['method'], math.nan)}")
     (out / "offload_bench.json").write_text(json.dumps({"setting": setting, "rows": rows}, indent=2))
+    cells = collect_cells(rows, args.model, args.window)
+    (out / "summary.json").write_text(json.dumps({"table": cells, "columns": ["Time", "Speedup"], "limit": None,
+                                                  "setting": setting}, indent=2))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -24,7 +24,10 @@ Paper cells without a value (not in the specs) print ``n/a``; the difference is 
 and ``n/a`` where either side is missing or the metrics differ. Results on ``eval.limit`` rows are marked *.
 A paper with a normalised-performance column (``NORMALISE``: Compressed Experts, method / full top-k) gets one
 ``Normalised`` line per row: 100 x the row's mean over its benchmarks / the same model's top-k row's mean over
-the same benchmarks, the paper's and ours apart (``n/a`` where a cell of either row is missing).
+the same benchmarks, the paper's and ours apart (``n/a`` where a cell of either row is missing). The paper's own
+printed normalised cells (paper_row ``Norm. Perf.``) get ours per column: 100 x our cell of that row label / our
+reference row's cell. Cost tables (``COST_TABLES``: latency, offload timing, FLOPs, training time) get no
+Normalised line; their cells of ours come from ``bench/`` scripts' ``summary.json`` (no checkpoint: train empty).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ HUB_AVERAGES = {"condense": "compression spec 3.9: lm-eval zero-shot, 8 tasks",
 # papers with a normalised-performance column: the paper_row it divides by (finetuning spec 3: method / full top-k)
 NORMALISE = {"compressed_experts": "Top-k SFT"}
 NORMALISED = "Normalised"  # the benchmark label of a row's normalised-performance line
+PRINTED_NORMALISED = "Norm. Perf."  # the paper_row of a paper's printed normalised cells (metric "% of <reference>")
+# tables of costs (seconds, hours, FLOPs), not scores: no Normalised line (their cells come from bench/ summaries)
+COST_TABLES = {"Latency", "Offload timing", "FLOPs", "Training time"}
 
 
 @dataclass(frozen=True)
@@ -210,8 +216,9 @@ def _eval_holds(conditions: str, eval_cfg: dict) -> bool:
 
 
 def _matches(paper: dict, ours: Ours) -> bool:
-    return (ours.model == paper["model"] and ours.method == paper["row"] and ours.benchmark == paper["benchmark"]
-            and ours.train == paper["train"] and _eval_holds(paper["eval"], ours.eval_cfg))
+    return (paper["paper_row"] != PRINTED_NORMALISED and ours.model == paper["model"] and ours.method == paper["row"]
+            and ours.benchmark == paper["benchmark"] and ours.train == paper["train"]
+            and _eval_holds(paper["eval"], ours.eval_cfg))
 
 
 def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False, hub_average: bool = False,
@@ -249,6 +256,7 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False, hu
             "partial": mine is not None and mine.partial, "note": note, "flag": paper.get("flag", ""),
         })
     if normalise_to is not None:
+        rows = printed_normalised(rows, reported, normalise_to)
         rows = normalised(rows, normalise_to)
     if not all_tables:
         shown = {(r["table"], r["model"], r["method"]) for r in rows if r["run"] is not None}
@@ -258,6 +266,28 @@ def compare(reported: list[dict], ours: list[Ours], all_tables: bool = False, hu
 
 def _mean(values: list) -> float | None:
     return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def printed_normalised(rows: list[dict], reported: list[dict], reference: str) -> list[dict]:
+    """``rows`` (one per ``reported`` cell, in its order) with ours filled in on the paper's printed normalised
+    cells (paper_row ``Norm. Perf.``): 100 x our cell of the same table, model, row label, training set and benchmark
+    / our cell of the ``reference`` row there; None where either is missing."""
+    def key(cell: dict) -> tuple:
+        return cell["table"], cell["paper_model"], cell["train"], cell["benchmark"]
+
+    scores = {(key(c), c["row"]): r for c, r in zip(reported, rows) if c["paper_row"] != PRINTED_NORMALISED}
+    refs = {key(c): r for c, r in zip(reported, rows) if c["paper_row"] == reference}
+    out = []
+    for cell, row in zip(reported, rows):
+        if cell["paper_row"] == PRINTED_NORMALISED:
+            mine, ref = scores.get((key(cell), cell["row"])), refs.get(key(cell))
+            num, den = (None if r is None else r["ours"] for r in (mine, ref))
+            value = 100.0 * num / den if num is not None and den else None
+            row = {**row, "metric": cell["metric"], "ours": value, "run": mine["run"] if value is not None else None,
+                   "limit": mine["limit"] if value is not None else None,
+                   "diff": value - row["paper"] if value is not None and row["paper"] is not None else None}
+        out.append(row)
+    return out
 
 
 def normalised(rows: list[dict], reference: str) -> list[dict]:
@@ -271,9 +301,12 @@ def normalised(rows: list[dict], reference: str) -> list[dict]:
     out = []
     for (table, model, method), group in groups.items():
         out += group
+        if table in COST_TABLES or method == PRINTED_NORMALISED:  # a cost, or the paper's own ratios
+            continue
         cells = {r["benchmark"]: r for r in group}
         benchmarks = [b for b in cells if b != AVERAGE] or [AVERAGE]
-        refs = sorted((g for (t, m, row), g in groups.items() if m == model and row == reference),
+        refs = sorted((g for (t, m, row), g in groups.items() if m == model and row == reference
+                       and t not in COST_TABLES),
                       key=lambda g: g[0]["table"] != table)
         ref = next(({r["benchmark"]: r for r in g} for g in refs if set(benchmarks) <= {r["benchmark"] for r in g}),
                    None)

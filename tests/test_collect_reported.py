@@ -122,6 +122,8 @@ def test_avg_flags_are_exactly_the_printed_averages_off_their_rows(paper):
         groups.setdefault((row["table"], row["paper_model"], row["paper_row"], row["eval"]), []).append(row)
     checked = slips = 0
     for key, cells in groups.items():
+        if key[2] == collect.PRINTED_NORMALISED:  # its Avg. is the ratio of the Avgs (test_printed_normalised_...)
+            continue
         avg = [c for c in cells if c["benchmark"] == collect.AVERAGE and c["value"]]
         sets = [c for c in cells if c["benchmark"] != collect.AVERAGE and c["value"]]
         for c in sets:
@@ -137,6 +139,36 @@ def test_avg_flags_are_exactly_the_printed_averages_off_their_rows(paper):
     assert checked or FINETUNING_PAPERS[paper] is None  # every table the papers average (ESFT: no source)
 
 
+def test_printed_normalised_cells_are_the_ratio_of_their_rows():
+    """Compressed Experts' Norm. Perf. (%) lines (Tables 3-6): each printed cell is 100 x the w/ CE cell / the Top-k
+    SFT cell of its column (Avg.: of the printed Avgs), recomputed here from reported.csv's own cells to the
+    printed decimal (the cells themselves are checked against the paper's text above)."""
+    rows = _raw("compressed_experts")
+    cells = {(r["table"], r["paper_model"], r["paper_row"], r["train"], r["benchmark"]): float(r["value"])
+             for r in rows if r["value"]}
+    printed = [r for r in rows if r["paper_row"] == collect.PRINTED_NORMALISED]
+    assert len(printed) == 16 and all(r["metric"] == f"% of {collect.NORMALISE['compressed_experts']}" for r in printed)
+    for r in printed:
+        key = (r["table"], r["paper_model"])
+        ce = cells[(*key, "Compressed Experts", r["train"], r["benchmark"])]
+        full = cells[(*key, "Top-k SFT", r["train"], r["benchmark"])]
+        assert abs(100 * ce / full - float(r["value"])) <= 0.05 + 1e-9, (r["source"], 100 * ce / full)
+
+
+def test_cost_cells_are_the_papers_timing_tables():
+    """The timing / latency / FLOP cells: Compressed Experts Tables 3/4 latency, Expert Condenser Table 4, DenseMixer
+    Tables 5/6; one table each, never normalised or averaged (values and their lines: checked above)."""
+    counts = {}
+    for paper in ("compressed_experts", "condenser", "densemixer"):
+        for r in _raw(paper):
+            if r["table"] in collect.COST_TABLES:
+                counts[(paper, r["source"].split(",")[0])] = counts.get((paper, r["source"].split(",")[0]), 0) + 1
+                assert r["benchmark"] != collect.AVERAGE and r["value"], r
+    assert counts == {("compressed_experts", "paper Table 3"): 3, ("compressed_experts", "paper Table 4"): 3,
+                      ("condenser", "paper Table 4"): 9, ("densemixer", "paper Table 5"): 6,
+                      ("densemixer", "paper Table 6"): 18}
+
+
 def test_known_slips_are_flagged():
     """The slips the issue names, and the counts the papers' tables give (recomputed above)."""
     condenser = {(r["table"], r["paper_model"], r["paper_row"], r["benchmark"]): r for r in _raw("condenser")}
@@ -144,6 +176,9 @@ def test_known_slips_are_flagged():
     assert gamma["value"] == "61.6" and AVG_SLIP in gamma["flag"] and "(59.60)" in gamma["flag"]
     for bench, other in (("SVAMP", "MultiArith 56.4"), ("MultiArith", "SVAMP 92.0")):
         assert f"swapped with {other}" in condenser[("Math7K", "OLMoE-1B-7B-0125", "DenseMixer", bench)]["flag"]
+    # Table 5 (pruning after condensing): ESFT Small Dense 32's Avg. 31.6, its row's mean 31.04
+    pruned = condenser[("Pruning after condensing", "DeepSeek-V2-Lite", "ESFT, Small Dense n'=k'=32", collect.AVERAGE)]
+    assert pruned["value"] == "31.6" and "(31.04)" in pruned["flag"]
 
 
 @pytest.mark.parametrize("paper", sorted(FINETUNING_PAPERS))

@@ -63,7 +63,7 @@ EXPECTED = {
     "condenser/gamma_qwen1_5": {**CONDENSER_QWEN, "method": "condenser"},
     "esft/epochs_olmoe": {**CONDENSER_OLMOE, "method": "esft_token"},
     "esft/epochs_dsv2lite": {**CONDENSER_QWEN, "model": DSV2, "method": "esft_token"},
-    "condenser/s1_qwen3": _hp("Qwen/Qwen3-30B-A3B", "s1k", **S1),
+    "condenser/s1_qwen3": _hp("Qwen/Qwen3-30B-A3B-Base", "s1k", **S1),  # Table 17 = DenseMixer's Base rows
     "condenser/s1_dscoder": _hp("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct", "s1k", **S1),
     "condenser/s1_qwen1_5": _hp(QWEN15, "s1k", **S1),
     "densemixer/esft_olmoe": _hp(OLMOE_0125, "esft_intent", 2e-5, 256, 4, 4096, 0.03, "linear", "esft"),
@@ -243,12 +243,14 @@ ROWS = {  # row file -> (method group, label, method knobs)
     "condenser_aux_free_bias": ("condenser", "aux_free_bias", {"options.n": 0, "options.gamma": 1e-4}),
     "condenser_highest_bias": ("condenser", "condenser_highest_bias", {"options.select": "highest_bias",
                                                                        "options.n": 2}),
-    "condenser_gamma_sweep": ("condenser", "condenser_gamma0.0001", {"options.n": 2}),
     # LoRA rows: the method decides whether the router trains (sft, densemixer: full rank; frozen_router: no)
     "densemixer_lora_conventional": ("sft", "sft_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "densemixer_lora_frozen_router": ("frozen_router", "frozen_router_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "densemixer_lora_densemixer": ("densemixer", "densemixer_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "compressed_experts_k_main_sweep": ("compressed_experts", "compressed_experts_kNone", {}),
+    "sft_top_k_sweep": ("sft", "sft_top8", {}),
+    "densemixer_dense_forward_conventional_gradient": ("densemixer", "densemixer_dense_conventional",
+                                                       {"options.forward": "dense", "options.gradient": "conventional"}),
 }
 
 
@@ -287,20 +289,25 @@ def test_row_methods_build_on_a_tiny_model(row):
         assert any("lora" in n for n in trainable) and all("lora" in n or "gate.weight" in n for n in trainable)
 
 
-def test_sweep_rows_label_each_job_like_reported_csv():
-    """The ablation sweeps' job labels are exactly the rows the layout expects."""
-    gamma = _compose("experiment=condenser/math_olmoe", "+experiment/row=condenser_gamma_sweep")
-    values = str(gamma.hydra.sweeper.params["method.options.gamma"]).split(",")
-    assert [float(v) for v in values] == [1e-6, 1e-5, 1e-4, 1e-3, 1e-2]
-    labels = {_compose("experiment=condenser/math_olmoe", "+experiment/row=condenser_gamma_sweep",
-                       f"method.options.gamma={v}").method.name for v in values}
-    # the paper's grids (Tables 13/14, Qwen2-MoE and DeepSeek-V2-Lite) hold every job label of the sweep
-    reported = {r["row"] for r in collect.load_reported("condenser") if r["table"] == "Gamma sweep"}
-    assert labels <= reported
-    ce = _compose("experiment=compressed_experts/olmoe", "+experiment/row=compressed_experts_k_main_sweep")
-    ks = str(ce.hydra.sweeper.params["method.options.k_main"]).split(",")
-    reported = {r["row"] for r in collect.load_reported("compressed_experts") if r["table"] == "k_main sweep"}
-    assert {f"compressed_experts_k{k}" for k in ks} <= reported  # the paper's Table 1: k_main 1, 2, 4
+def test_k_main_sweeps_run_table_1():
+    """Table 1's two columns: w/ CE (k_main 1, 2, 4 of OLMoE's top-8) and w/o CE (top-k cut to 1, 2, 4; Top-8 is the
+    main Top-k SFT run): the jobs of the two row sweeps plus that run are exactly reported.csv's k_main sweep rows."""
+    jobs = set()
+    for row, key in (("compressed_experts_k_main_sweep", "method.options.k_main"),
+                     ("sft_top_k_sweep", "model.config.num_experts_per_tok")):
+        base = ("experiment=compressed_experts/olmoe", f"+experiment/row={row}")
+        values = str(_compose(*base).hydra.sweeper.params[key]).split(",")
+        assert [int(v) for v in values] == [1, 2, 4], row
+        for value in values:
+            cfg = _compose(*base, f"{key}={value}")
+            assert OmegaConf.select(cfg, key) == int(value)
+            if row == "compressed_experts_k_main_sweep":  # w/ CE: the model keeps its top-8 router
+                assert OmegaConf.select(cfg, "model.config.num_experts_per_tok") is None
+            jobs.add((cfg.method.name, cfg.hydra.runtime.choices.dataset))
+    jobs.add(("sft", "mathinstruct"))  # Top-8 w/o CE: the main Top-k SFT run
+    reported = {(r["row"], r["train"]) for r in collect.load_reported("compressed_experts")
+                if r["table"] == "k_main sweep"}
+    assert jobs == reported
 
 
 # sweep presets -> (the swept key, extra overrides, reported.csv table): their jobs are exactly the table's rows

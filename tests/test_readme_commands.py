@@ -83,7 +83,7 @@ SUBSTITUTIONS = {
         (r"\$\{?t\}?", "intent"),  # the ESFT-task loop variable: its first value
         (r"task\.trainer\.max_steps=\d+", "task.trainer.max_steps=3"),  # resume-to-extend: 3 > 2 steps
         (r"(\+experiment/row=compressed_experts_k_main_sweep)", r"\1 ++model.config.num_experts_per_tok=8"),  # k_main
-        #   2, 4, 6 of OLMoE's top-8 need a top-8 router: the tiny OLMoE routes to all of its 8 experts
+        #   1, 2, 4 of OLMoE's top-8 need a top-8 router: the tiny OLMoE routes to all of its 8 experts
         (r"compress\.K=\d+(,\d+)*", "compress.K=4"),  # the real models' expert counts: the tiny ones have 8, top-2
     ],
     # 2. Hydra sweeps keep their first value, on the command line and in a preset's hydra.sweeper.params
@@ -191,6 +191,10 @@ NOT_RUNNABLE = {
 }
 for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation"):
     NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
+for _weights in ("<OLMoE-1B-7B-0924>", "..."):
+    _latency = f"python bench/compressed_experts_latency.py --model olmoe --out <dir> -- model.pretrained={_weights}"
+    NOT_RUNNABLE[_latency] = ("the real OLMoE on a GPU (tests/analysis/test_compressed_experts_latency_bench.py runs "
+                              "its flow on CPU at tiny width)")
 NOT_RUNNABLE.update({
     "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",

@@ -84,6 +84,8 @@ def calibration_sequences(dataset_cfg: DictConfig, tokenizer, c) -> tuple[list[d
             raise ValueError(f"compress.calibration.sample=documents needs a text dataset (c4, wikitext103, ...); "
                              f"{label} is not one")
         batches = document_batches(dm, tokenizer, n, seq_len, batch_size)
+        log.info("calibration sample=documents: the first %d documents of %s in file order, no random draw ([CD-code]'s "
+                 "100 are its calibration_data.json: point the dataset's path at that file)", n, label)
         cut = "untruncated" if seq_len is None else f"truncated to {seq_len} tokens"
         return batches, label + f" split={dm.split}, first {n} documents, BOS, {cut}, batch {batch_size}, padded"
     if hasattr(dm, "read_blocks"):

@@ -41,6 +41,27 @@ def _check(cfg: DictConfig) -> None:
                                 "task=condense export directory (<run>/export) or null to condense here")
 
 
+def recipe_method(cfg: DictConfig) -> dict:
+    """The method settings ``cd_sft_recipe`` fixes for both SFT stages (code: every token in the loss, no fp32
+    master weights), as dotted updates; {} where the recipe leaves the method's own."""
+    keys = {"loss_tokens": "method.options.loss_tokens", "master_weights": "method.master_weights"}
+    return {dotted: cfg.cd_sft.get(key) for key, dotted in keys.items() if cfg.cd_sft.get(key) is not None}
+
+
+def recipe_line(cfg: DictConfig) -> str:
+    """One line on what the recipe runs: its name, and for [CD-code]'s what the public code does differently."""
+    recipe = cfg.cd_sft.get("recipe") or "paper"
+    if recipe != "code":
+        return f"cd_sft_recipe={recipe}: lr {cfg.task.optim.lr}, {cfg.task.scheduler.name} schedule"
+    method = recipe_method(cfg)
+    lm = cfg.cd_sft.get("lm_stage")
+    return (f"cd_sft_recipe=code: the public code's recipe as it runs, no hand-added overrides: loss on "
+            f"{method.get('method.options.loss_tokens', cfg.method.options.loss_tokens)} tokens (prompt and padding "
+            f"included), master weights {method.get('method.master_weights', cfg.method.master_weights)} (no fp32 "
+            f"copy), lr {cfg.task.optim.lr} {cfg.task.scheduler.name}"
+            + (f", one LM epoch on {lm.dataset.path} first" if lm else ""))
+
+
 def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
     """(condensed export directory, condense-stage summary): calibrate on the search data, then condense."""
     c = cfg.condense
@@ -108,6 +129,8 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
     start = time.time()
     label = "cd_moe_s" if int(cfg.condense.routed_experts) == 0 else "cd_moe_sr"
     summary: dict = {"model": cfg.model.name, "method": label, "recipe": to_plain(cfg.cd_sft)}
+    print(f"==== moe-lab cd_moe_sft: {recipe_line(cfg)}", flush=True)
+    method = recipe_method(cfg)
     resuming = bool(cfg.task.get("resume"))  # task.resume=<this run>: finished stages are reused, the SFT resumes
     if cfg.cd_sft.condensed:
         export = str(cfg.cd_sft.condensed)
@@ -121,10 +144,10 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
         export = str(out / "lm" / "export")
     elif lm:
         lm_run = finetune(stage_config(cfg, out / "lm", dataset=to_plain(lm.dataset), **{
-            "method.options.condensed": export, "task.resume": None, "task.ckpt_path": None}))
+            **method, "method.options.condensed": export, "task.resume": None, "task.ckpt_path": None}))
         summary["lm_stage"] = {k: lm_run.get(k) for k in STAGE_KEYS}
         export = lm_run["export"]
-    updates = {"method.options.condensed": export}
+    updates = {**method, "method.options.condensed": export}
     if not (out / "checkpoints" / "last.ckpt").exists():  # a resumed run that stopped before its SFT began
         updates["task.resume"] = None
     sft = finetune(stage_config(cfg, out, **updates))

@@ -101,6 +101,14 @@ def _Ks(t, k: int, E: int) -> list[int]:
     return out + [E]
 
 
+def figure_title(model: str, calibration_file) -> str:
+    """The figures' title: the model (a local folder by its name) and the calibration file's name, no folder path."""
+    name = Path(str(calibration_file)).name
+    if not model:
+        return name
+    return f"{Path(model).name if Path(model).is_absolute() else model} ({name})"
+
+
 def dense_diagnostics_task(cfg: DictConfig) -> dict:
     t = cfg.task
     out = Path(cfg.paths.output_dir)
@@ -110,7 +118,7 @@ def dense_diagnostics_task(cfg: DictConfig) -> dict:
     cal = Calibration.load(t.calibration_file)
     k, E = int(cal.manifest["top_k"]), int(cal.manifest["num_experts"])
     K = int(t.overlap_K) if t.get("overlap_K") is not None else k
-    title = str(cal.manifest.get("model") or t.calibration_file)
+    title = figure_title(str(cal.manifest.get("model") or ""), t.calibration_file)
     lam = t.get("lam", "auto")
     files, summary = {}, {"calibration": str(t.calibration_file), "top_k": k, "num_experts": E}
 

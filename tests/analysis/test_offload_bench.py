@@ -28,6 +28,20 @@ def test_windows_by_hand():
         bench.seconds_per_window(seconds, warmup=2, iterations=10, window=3)
 
 
+def test_collect_cells_per_ten_iterations_and_speedup():
+    """Windows of 5 iterations: 10 s and 4 s per window are 20 s and 8 s per 10 iterations; speed-up against
+    DenseMixer 1 and 2.5; a failed row gives no cell; without DenseMixer the speed-up is against SFT."""
+    rows = [{"method": "densemixer", "status": "ok", "seconds_per_window": 10.0},
+            {"method": "condenser", "status": "ok", "seconds_per_window": 4.0},
+            {"method": "sft", "status": "refused", "seconds_per_window": 1.0}]
+    cells = {(c["method"], c["column"]): c["value"] for c in bench.collect_cells(rows, "deepseek_v2_lite", 5)}
+    assert cells == {("densemixer", "Time"): 20.0, ("densemixer", "Speedup"): 1.0, ("condenser", "Time"): 8.0,
+                     ("condenser", "Speedup"): 2.5}
+    rows[0]["status"], rows[2]["status"] = "refused", "ok"
+    cells = {(c["method"], c["column"]): c["value"] for c in bench.collect_cells(rows, "m", 10)}
+    assert cells[("condenser", "Speedup")] == 0.25 and ("densemixer", "Time") not in cells
+
+
 def _args(**kw):
     base = {"model": "deepseek_v2_lite", "dataset": "math7k", "offload": "optimizer", "gpus": 8, "global_batch": 32,
             "micro_batch": 4, "warmup": 50, "iterations": 300, "window": 10, "hardware_cpu": False, "overrides": []}
@@ -66,3 +80,12 @@ def test_flow_on_cpu(tmp_path, capsys):
         assert len(json.loads((out / f"{method}_iterations.json").read_text())["iteration_seconds"]) == 3
     assert code == 0
     assert "method=sft status='ok'" in capsys.readouterr().out
+    # summary.json for experiments.collect: reported.csv's "Offload timing" cells, ours beside the paper's
+    from experiments import collect
+
+    assert collect.main(["condenser", str(out), "--as", "tiny_olmoe=deepseek_v2_lite"]) == 0
+    shown = [[c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| DeepSeek-V2-Lite")]
+    times = {p[2]: p[6:8] for p in shown if p[4] == "Time"}
+    assert set(times) == {"DenseMixer", "SFT", "Expert Condenser"} and times["SFT"][0] == "152.78"
+    assert all(ours != "n/a" for _, ours in times.values())

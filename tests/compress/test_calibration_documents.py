@@ -39,6 +39,17 @@ def test_documents_rows_bos_truncated_padded(tmp_path):
         assert ids[: len(want)].tolist() == want and mask.tolist() == [1] * len(want) + [0] * (len(mask) - len(want))
 
 
+def test_documents_mode_says_it_takes_the_first_documents(tmp_path, caplog):
+    """One line says the rows are the file's first n documents (not a random draw) and how to use [CD-code]'s."""
+    _docs(tmp_path / "d.txt")
+    data, c = _cfg(tmp_path / "d.txt")
+    with caplog.at_level("INFO", logger="moe_lab.compress.calibrate_run"):
+        calibration_sequences(data, load_tokenizer("byte"), c)
+    lines = [r.getMessage() for r in caplog.records if "sample=documents" in r.getMessage()]
+    assert len(lines) == 1 and "the first 4 documents of" in lines[0] and str(tmp_path / "d.txt") in lines[0]
+    assert "in file order" in lines[0] and "calibration_data.json" in lines[0]
+
+
 def test_untruncated_documents_gate_pass_counts_every_token(tmp_path):
     tok = load_tokenizer("byte")
     docs = _docs(tmp_path / "d.txt")

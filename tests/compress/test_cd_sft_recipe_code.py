@@ -45,3 +45,30 @@ def test_loss_on_all_tokens_equals_ce_over_every_position(tmp_path):
     with pytest.raises(ValueError, match="loss_tokens='prompt'"):
         CondenseSFTModule(build_tiny("deepseek_v2"), options={"condensed": str(tmp_path / "cd"),
                                                               "loss_tokens": "prompt"})
+
+
+@pytest.mark.parametrize("recipe", ["code", "paper"])
+def test_code_recipe_trains_every_token_without_master_weights_and_says_so(recipe, tmp_path, monkeypatch, capsys):
+    """cd_sft_recipe=code sets, with no override on the command line, the public code's loss on every token and no
+    fp32 master weights in both stages (LM epoch and task SFT) and says so in one line when the run starts; the
+    paper recipe leaves the method's own (response tokens, fp32)."""
+    from omegaconf import OmegaConf
+
+    from moe_lab.tasks import cd_moe_sft as task
+
+    condensed = tmp_path / "condensed"
+    condensed.mkdir()
+    (condensed / "condense_manifest.json").write_text("{}")
+    cfg = _compose("experiment=condense/deepseek_moe_sr_sft", f"cd_sft_recipe={recipe}",
+                   f"cd_sft.condensed={condensed}")
+    OmegaConf.update(cfg, "paths.output_dir", str(tmp_path / "run"), force_add=True)
+    stages = []
+    monkeypatch.setattr(task, "finetune", lambda c: stages.append(c) or {"export": None})
+    task.cd_moe_sft(cfg)
+    want = ("all", "off") if recipe == "code" else ("response", "fp32")
+    assert len(stages) == (2 if recipe == "code" else 1)  # the code recipe's LM epoch first
+    assert all((s.method.options.loss_tokens, s.method.master_weights) == want for s in stages)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "cd_sft_recipe=" in line]
+    assert len(lines) == 1 and lines[0].startswith("==== moe-lab cd_moe_sft: cd_sft_recipe=" + recipe)
+    if recipe == "code":
+        assert "loss on all tokens" in lines[0] and "master weights off" in lines[0]

@@ -89,3 +89,33 @@ def test_task_writes_csv_png_and_summary(tmp_path):
     assert all(1 - 1e-9 <= v <= int(key.split("K")[-1]) + 1e-9 for key, v in summary["effective_rank"].items())
     assert summary["marginal_means"]["score"]["do_acp"] == pytest.approx(42.642, abs=1e-3)
     assert torch.isfinite(torch.tensor(list(summary["effective_rank"].values()))).all()
+
+
+def test_figure_titles_name_the_calibration_file_not_its_folder(tmp_path, monkeypatch):
+    """The plots' titles print the calibration file's name (and a local model folder's name), never an absolute
+    path."""
+    import matplotlib.axes
+    import matplotlib.figure
+
+    from moe_lab.tasks import run_task
+    from moe_lab.tasks.dense_diagnostics import figure_title
+
+    titles = []
+    for cls, name in ((matplotlib.axes.Axes, "set_title"), (matplotlib.figure.Figure, "suptitle")):
+        original = getattr(cls, name)
+        def record(self, text, *args, _draw=original, **kwargs):
+            titles.append(text)
+            return _draw(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, record)
+    cal = _calibration()
+    cal.save(tmp_path / "cal.safetensors")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["task=dense_diagnostics", f"paths.output_dir={tmp_path / 'run'}",
+                                           f"task.calibration_file={tmp_path / 'cal.safetensors'}"])
+    run_task(cfg)
+    assert len(titles) >= 2 and all(str(tmp_path) not in t for t in titles), titles
+    assert all("cal.safetensors" in t for t in titles), titles
+    assert figure_title("/local/models/Qwen3-30B-A3B", "/runs/x/calibration.safetensors") == \
+        "Qwen3-30B-A3B (calibration.safetensors)"
+    assert figure_title("Qwen/Qwen3-30B-A3B", "c.safetensors") == "Qwen/Qwen3-30B-A3B (c.safetensors)"
