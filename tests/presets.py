@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, DATA_DIR
+from tests.conftest import DATA_DIR, ROOT
 
 CONF = ROOT / "conf"
 EXPERIMENTS = CONF / "experiment"

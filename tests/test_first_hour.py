@@ -453,6 +453,6 @@ def test_an_eval_group_on_a_training_run_is_said_not_run(tmp_path, caplog):
         say_eval_not_run(quiet, tmp_path)
         assert not caplog.messages
         say_eval_not_run(cfg, tmp_path)
-    assert caplog.messages == [
-        "eval=math7: task=finetune trains and exports, it does not evaluate; evaluate this run's export with: "
-        f"python run.py task=evaluate eval=math7 eval.limit=20 model=tiny_olmoe task.checkpoint={tmp_path / 'export'}"]
+    want = ("eval=math7: task=finetune trains and exports, it does not evaluate; evaluate this run's export with: "
+            f"python run.py task=evaluate eval=math7 eval.limit=20 model=tiny_olmoe task.checkpoint={tmp_path / 'export'}")
+    assert caplog.messages == [want]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import fnmatch
 import subprocess
-import tomllib
 
+import tomllib
 from hydra import compose, initialize_config_dir
 
 from moe_lab.data.shipped import LLM_ADAPTERS_DIR

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import run
 from moe_lab.distill.teacher import load_teacher, teacher_spec
-from tests.conftest import ROOT, DATA_DIR, build_tiny, tiny_model_cfg
+from tests.conftest import DATA_DIR, ROOT, build_tiny, tiny_model_cfg
 
 CONF = ROOT / "conf"
 

@@ -14,7 +14,7 @@ from moe_lab.eval import generation
 from moe_lab.models import load_model
 from moe_lab.runtime.stop_signal import Interrupted
 from moe_lab.tasks import expert_removal, run_task
-from tests.conftest import ROOT, DATA_DIR, random_batch, tiny_model_cfg
+from tests.conftest import DATA_DIR, ROOT, random_batch, tiny_model_cfg
 
 
 def _cfg(tmp_path):

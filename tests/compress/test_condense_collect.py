@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moe_lab.compress import load_condensed
-from tests.conftest import ROOT, DATA_DIR, word_text
+from tests.conftest import DATA_DIR, ROOT, word_text
 
 TASKS = {"llm_adapters_boolq": "boolq", "llm_adapters_piqa": "piqa"}
 LIMIT = 2

@@ -21,7 +21,7 @@ from moe_lab.eval.results import main as results_main
 from moe_lab.eval.run import evaluate
 from moe_lab.eval.score import main as score_main
 from moe_lab.models import load_model
-from tests.conftest import ROOT, DATA_DIR, tiny_model_cfg
+from tests.conftest import DATA_DIR, ROOT, tiny_model_cfg
 
 STOPS = ["### Instruction:", "\nBelow is an instruction"]
 

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from moe_lab.eval import lm_eval_bridge
 from moe_lab.eval.run import evaluate
-from tests.conftest import ROOT, DATA_DIR
+from tests.conftest import DATA_DIR, ROOT
 
 # [P3] column -> (lm-eval task, shots, result key); finetuning.md section 3
 P3 = {

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, DATA_DIR
+from tests.conftest import DATA_DIR, ROOT
 
 
 def score_cli(*args, check_rc: int | None = 0):

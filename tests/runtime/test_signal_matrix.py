@@ -49,7 +49,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import ROOT, DATA_DIR, word_text
+from tests.conftest import DATA_DIR, ROOT, word_text
 
 pytestmark = pytest.mark.slow
 
