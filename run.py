@@ -243,7 +243,16 @@ def shorten_dataset(cfg: DictConfig, overrides: list[str] | None = None) -> None
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
-    summary = execute(cfg)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from moe_lab.runtime.error_report import end_with_message
+
+    try:
+        summary = execute(cfg)
+    except Exception as error:
+        end_with_message(error, Path(__file__), multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
+        raise
     return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
 
 
