@@ -20,12 +20,16 @@ from omegaconf import DictConfig
 METHOD_OPTIONS = "method.options."
 
 
+def _is_hydra(key: str) -> bool:
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
 def _checked(override, config_dir: Path) -> bool:
     """Does ``override`` set a key the composed config must already have?"""
     key = override.key_or_group
     if override.is_force_add():
         return key.startswith(METHOD_OPTIONS)
-    if override.is_add() or override.is_delete() or override.package is not None or key.startswith("hydra"):
+    if override.is_add() or override.is_delete() or override.package is not None or _is_hydra(key):
         return False
     return "/" not in key and not (config_dir / key).is_dir()  # not a config group
 
@@ -78,7 +82,7 @@ def check_override_keys(args: list[str], config_dir: Path, config_name: str = "c
     except Exception:  # noqa: BLE001 - a command line Hydra cannot parse: Hydra's own message
         return
     checked = [o for o in overrides if _checked(o, config_dir)]
-    base = [o for o in overrides if not _checked(o, config_dir) and not o.key_or_group.startswith("hydra")]
+    base = [o for o in overrides if not _checked(o, config_dir) and not _is_hydra(o.key_or_group)]
     if not checked or any(o.is_sweep_override() for o in base):
         return
     try:
