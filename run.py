@@ -167,8 +167,9 @@ def expand_argv(argv: list[str]) -> list[str]:
       how that kind resumes);
     * into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``), Hydra writes no
       ``.hydra/``: the run's own files change only once the task accepts the run (:data:`_DEFERRED_SUBDIR`);
-    * ``method.options.<name>=v`` may name any option (``++``), so that a misspelt one is refused by the
-      method itself with the list of valid options, instead of by Hydra with a ``+`` hint that fails too;
+    * ``method.options.<name>=v`` may name any option (``++``): a misspelt one is refused before Hydra runs,
+      naming the nearest option (:func:`moe_lab.runtime.override_keys.check_override_keys`), or where that check
+      leaves the command to Hydra (a sweep over ``method=``), by the method itself with the list of valid options;
     * the OPEN_MAPS (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
     """
     global _DEFERRED_SUBDIR
@@ -243,7 +244,16 @@ def shorten_dataset(cfg: DictConfig, overrides: list[str] | None = None) -> None
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
-    summary = execute(cfg)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from moe_lab.runtime.error_report import end_with_message
+
+    try:
+        summary = execute(cfg)
+    except Exception as error:
+        end_with_message(error, Path(__file__), multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
+        raise
     return summary.get(cfg.get("optimized_metric")) if cfg.get("optimized_metric") else None
 
 
@@ -302,7 +312,10 @@ def execute(cfg: DictConfig) -> dict:
 if __name__ == "__main__":
     _quiet()
     try:
+        from moe_lab.runtime.override_keys import check_override_keys
+
         sys.argv = expand_argv(sys.argv)
+        check_override_keys(sys.argv[1:], Path(__file__).parent / "conf")
     except ValueError as err:
         sys.exit(f"Error: {err}")
     main()

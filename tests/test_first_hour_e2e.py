@@ -67,13 +67,6 @@ def test_resuming_another_models_checkpoint_names_both(short_run, tmp_path):
     assert "the checkpoint is tiny_qwen3_moe / frozen_router, the config is tiny_olmoe / sft" in proc.stderr
 
 
-def test_misspelt_method_option_lists_the_valid_ones(tmp_path):
-    proc = run_py("method=condenser", "method.options.gama=1", "debug=fast", f"hydra.run.dir={tmp_path / 'r'}",
-                  cwd=tmp_path, check=False, timeout=120)
-    assert proc.returncode != 0
-    assert "unknown option(s) ['gama']" in proc.stderr and "'gamma'" in proc.stderr
-
-
 @pytest.mark.slow
 def test_grid_with_a_failing_job_still_writes_the_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"

@@ -433,24 +433,60 @@ def test_extraction_joins_continuations_and_drops_comments():
                                  "python bench/kd.py", "HF_X=1 python run.py e=5 | f"]
 
 
-@pytest.mark.slow
-def test_every_runnable_readme_command_exits_0(tmp_path):
-    runnable = [c for c in readme_commands() if c not in NOT_RUNNABLE]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"cwd": str(tmp_path), "commands": runnable}))
+def runner_verdict(returncode: int, results: list[dict] | None, commands: list[str], log: str) -> str | None:
+    """What went wrong with a runner process (None: every command ran and exited 0). A runner that crashed, wrote
+    no results file or results for fewer commands than planned says so, with its log's tail: it never reads as
+    "0 failed"."""
+    tail = f"\nrunner log (last 8000 characters):\n{log[-8000:]}"
+    if results is None:
+        return f"the runner wrote no results file (exit code {returncode}): it ran none of the {len(commands)} commands{tail}"
+    failed = [r["command"] for r in results if r["rc"] != 0]
+    if returncode != 0 or len(results) != len(commands):
+        crashed = f"crashed (exit code {returncode})" if returncode != 0 else "exited 0"
+        return (f"the runner {crashed} after {len(results)} of {len(commands)} commands "
+                f"({len(failed)} of them failed: {failed}){tail}")
+    return f"{len(failed)} of {len(commands)} failed: {failed}{tail}" if failed else None
+
+
+def run_commands(commands: list[str], scratch: Path) -> str | None:
+    """Run ``commands`` in one runner process (``python -m tests.test_readme_commands <plan>``) in ``scratch``;
+    :func:`runner_verdict` of it. The runner's log is kept in ``<scratch>/runner.log``."""
+    plan = scratch / "plan.json"
+    plan.write_text(json.dumps({"cwd": str(scratch), "commands": commands}))
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}  # tiny models: one thread, no spin-waiting on a busy machine (6x faster at load 12)
     proc = subprocess.run([sys.executable, "-m", "tests.test_readme_commands", str(plan)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     log = proc.stdout + proc.stderr
-    (tmp_path / "runner.log").write_text(log)
+    (scratch / "runner.log").write_text(log)
     results_file = Path(str(plan) + ".results.json")
-    results = json.loads(results_file.read_text()) if results_file.is_file() else []
-    failed = [r for r in results if r["rc"] != 0]
-    assert proc.returncode == 0 and len(results) == len(runnable) and not failed, (
-        f"{len(failed)} of {len(runnable)} failed: {[r['command'] for r in failed]}\n{log[-8000:]}")
+    results = json.loads(results_file.read_text()) if results_file.is_file() else None
+    return runner_verdict(proc.returncode, results, commands, log)
 
+
+def test_a_runner_that_crashes_says_so_with_its_traceback(tmp_path):
+    (tmp_path / "data").write_text("a file where the runner makes its data folder")
+    verdict = run_commands(["python run.py plan=true"], tmp_path)
+    assert verdict is not None and "the runner wrote no results file (exit code 1)" in verdict
+    assert "Traceback" in verdict and "FileExistsError" in verdict, verdict
+
+
+@pytest.mark.parametrize("returncode,results,expected", [
+    (0, [], "the runner exited 0 after 0 of 2 commands (0 of them failed: [])"),
+    (1, [{"command": "a", "rc": 0}], "the runner crashed (exit code 1) after 1 of 2 commands (0 of them failed"),
+    (0, [{"command": "a", "rc": 0}, {"command": "b", "rc": 2}], "1 of 2 failed: ['b']"),
+    (0, [{"command": "a", "rc": 0}, {"command": "b", "rc": 0}], None),
+])
+def test_runner_verdict_counts_what_did_not_run(returncode, results, expected):
+    verdict = runner_verdict(returncode, results, ["a", "b"], "the log")
+    assert verdict == expected if expected is None else verdict.startswith(expected) and verdict.endswith("the log")
+
+
+@pytest.mark.slow
+def test_every_runnable_readme_command_exits_0(tmp_path):
+    verdict = run_commands([c for c in readme_commands() if c not in NOT_RUNNABLE], tmp_path)
+    assert verdict is None, verdict
 
 if __name__ == "__main__":
     run_plan(Path(sys.argv[1]))

@@ -32,7 +32,7 @@ def test_densemixer_port_trains_lm_head_and_shared_experts():
     model = build_tiny("qwen2_moe")
     experts = {view.index: [0] for view in find_moe_layers(model)}
     options = OmegaConf.to_container(_method("esft_token_densemixer").options)
-    groups = esft_parameter_groups(moe_lab.apply(model, "esft", experts=experts, **options))
+    groups = esft_parameter_groups(moe_lab.apply(model, "esft", **{**options, "experts": experts}))
     for group in ("lm_head", "shared_experts"):
         assert groups[group] and all(p.requires_grad for _, p in groups[group]), group
     for group in ("router", "attention", "embeddings", "norms"):

@@ -37,7 +37,7 @@ CASES["condenser_micro_batch"] = [*CASES["condenser"], "method.options.update_ev
                                   "method.options.condenser_bias=updating"]
 ACCUMULATE = {"condenser_micro_batch": 2}
 CASES["sft_lora"] = ["method=sft", "method.lora={rank:4,alpha:8}"]
-CASES["esft_token_lora"] = ["method=esft_token", "+method.options.experts={0:[0,2,3],1:[1,5]}",
+CASES["esft_token_lora"] = ["method=esft_token", "method.options.experts={0:[0,2,3],1:[1,5]}",
                             "method.lora={rank:4,alpha:8}"]
 
 
