@@ -3,6 +3,14 @@ runs the same command again; the run's files must come out whole, or the command
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+
+import pytest
+import torch
+
+from moe_lab.runtime.checkpoint_io import check_resumable, marker_path
 from tests.runtime.test_resume_guard import _held_by_a_live_process
 
 
@@ -32,6 +40,84 @@ def test_resume_of_a_folder_that_is_not_a_run_is_refused_and_writes_nothing(tmp_
     (docs / "resume.md").write_text("# Runs\n")
     proc = run_py("task.resume=docs", cwd=tmp_path, check=False)
     assert proc.returncode != 0
-    assert f"task.resume=docs: docs is not a moe-lab run directory" in proc.stderr, proc.stderr[-2000:]
+    assert "task.resume=docs: docs is not a moe-lab run directory" in proc.stderr, proc.stderr[-2000:]
     assert "nothing was written into it" in proc.stderr
     assert sorted(p.name for p in docs.iterdir()) == ["resume.md"]
+
+
+# ---- a checkpoint and its marker (items 2, 3, 10) -----------------------------------------------------------------
+def _fit(tmp_path, keep_last=0, max_steps=4, fail_marking_at=None):
+    """tests/runtime/test_integrity's tiny fit; ``fail_marking_at``: the run is killed after that step's checkpoint
+    file was renamed into place, before its COMPLETED marker was (mark_completed raises)."""
+    from unittest import mock
+
+    from moe_lab.runtime import checkpoint_io
+    from tests.runtime.test_integrity import _fit as fit
+
+    if fail_marking_at is None:
+        return fit(tmp_path, keep_last=keep_last, max_steps=max_steps)
+    real = checkpoint_io.mark_completed
+
+    def killed(trainer, ckpt):
+        if trainer.global_step == fail_marking_at:
+            raise KeyboardInterrupt("killed between the renames")
+        real(trainer, ckpt)
+
+    with mock.patch.object(checkpoint_io, "mark_completed", killed), pytest.raises(BaseException):
+        fit(tmp_path, keep_last=keep_last, max_steps=max_steps)
+
+
+def _drop_hash(ckpt):
+    info = json.loads(marker_path(ckpt).read_text())
+    info.pop("sha256")
+    marker_path(ckpt).write_text(json.dumps(info))
+
+
+def test_a_marker_without_a_hash_cannot_vouch_for_a_corrupted_checkpoint(tmp_path):
+    """Item 2: before, a marker without sha256 switched the integrity check off and a corrupted file trained on."""
+    from tests.runtime.test_integrity import _flip_bytes
+
+    _fit(tmp_path)
+    ckpt = tmp_path / "last.ckpt"
+    _drop_hash(ckpt)
+    _flip_bytes(ckpt)
+    with pytest.raises(ValueError) as err:
+        check_resumable(ckpt, "task.resume", "single")
+    assert "records no sha256" in str(err.value) and "task.adopt_checkpoint=true" in str(err.value)
+    with pytest.raises(ValueError, match="does not match its CRC-32"):  # the zip records' own checksums
+        check_resumable(ckpt, "task.resume", "single", adopt=True)
+
+
+def test_a_kill_between_the_checkpoints_rename_and_its_markers_loses_nothing(tmp_path, caplog):
+    """Item 3: killed after step 3's last.ckpt was renamed into place, before its marker: the old marker (step 2)
+    no longer matched and the intact checkpoint was refused as corrupted, with no older one kept. The marker
+    written before the rename vouches for it: adopted, in one line. Oracle: hashlib and torch.load of the file."""
+    _fit(tmp_path, fail_marking_at=3)
+    ckpt = tmp_path / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 3
+    assert json.loads(marker_path(ckpt).read_text())["global_step"] == 2  # the state the kill left
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.marker_recovery"):
+        check_resumable(ckpt, "task.resume", "single")
+    info = json.loads(marker_path(ckpt).read_text())
+    assert info["global_step"] == 3 and info["sha256"] == {"last.ckpt": hashlib.sha256(ckpt.read_bytes()).hexdigest()}
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runtime.marker_recovery"]
+    assert f"task.resume={ckpt}" in line and "adopted (step 3)" in line
+    assert not list(tmp_path.glob("*.PENDING"))
+    check_resumable(ckpt, "task.resume", "single")  # now an ordinary marked checkpoint
+
+
+def test_an_intact_checkpoint_whose_marker_was_deleted_is_adopted_on_request(tmp_path, caplog):
+    """Item 10: before, called half-written with no option accepting it. task.adopt_checkpoint=true re-verifies
+    it and writes a marker with its hash (oracle: hashlib); a corrupted one is not adopted."""
+    _fit(tmp_path)
+    ckpt = tmp_path / "last.ckpt"
+    expected = json.loads(marker_path(ckpt).read_text())
+    marker_path(ckpt).unlink()
+    with pytest.raises(ValueError, match=r"or the marker was deleted.*task.adopt_checkpoint=true"):
+        check_resumable(ckpt, "task.resume", "single")
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.marker_recovery"):
+        check_resumable(ckpt, "task.resume", "single", adopt=True)
+    info = json.loads(marker_path(ckpt).read_text())
+    assert {k: info[k] for k in expected} == expected and info["adopted"] is True
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runtime.marker_recovery"]
+    assert "re-verified" in line and "adopted (task.adopt_checkpoint=true)" in line
