@@ -330,15 +330,26 @@ def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str,
 
 def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
     """A plain ``task=finetune`` (no ``task.resume`` / ``task.ckpt_path``) into a run directory that holds a
-    complete checkpoint would start again from step 0 over that run's checkpoints and metrics: refused, naming
-    ``task.resume``. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
+    checkpoint (complete, or a ``last.ckpt`` that lost its marker beside complete ``step-<n>.ckpt``) would start
+    again from step 0 over that run's checkpoints and metrics: refused, naming the ``task.resume`` that continues it. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
     import json
 
-    from .checkpoint_io import marker_path
+    from .checkpoint_io import MARKER, complete_beside, marker_path
 
     ckpt = out / "checkpoints" / "last.ckpt"
-    if cfg.task.get("name") != "finetune" or not marker_path(ckpt).is_file():
+    if cfg.task.get("name") != "finetune":
         return
+    if not marker_path(ckpt).is_file():
+        written = sorted(p.name for p in ckpt.parent.glob("*.ckpt")) if ckpt.parent.is_dir() else []
+        if not written:
+            return
+        beside = complete_beside(ckpt)
+        how = beside if not beside.startswith("No complete") else (
+            f"None of them has a {MARKER} marker: if last.ckpt is complete, continue it with task.resume={out} "
+            "task.adopt_checkpoint=true (it is re-verified first).")
+        raise ValueError(f"{out} already holds a run's checkpoints ({', '.join(written)}; last.ckpt without its "
+                         f"{MARKER} marker): this command would start it again from step 0 over them and its "
+                         f"metrics.csv. {how} Or give another hydra.run.dir")
     step = json.loads(marker_path(ckpt).read_text()).get("global_step", "?")
     raise ValueError(f"{out} already holds a run with a complete checkpoint at step {step} ({ckpt}): this command "
                      "would start it again from step 0 over its checkpoints and metrics.csv. Continue it with "

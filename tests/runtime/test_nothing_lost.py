@@ -121,3 +121,26 @@ def test_an_intact_checkpoint_whose_marker_was_deleted_is_adopted_on_request(tmp
     assert {k: info[k] for k in expected} == expected and info["adopted"] is True
     [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runtime.marker_recovery"]
     assert "re-verified" in line and "adopted (task.adopt_checkpoint=true)" in line
+
+
+# ---- a plain re-run into a run whose last.ckpt lost its marker (item 4) ------------------------------------------
+def _snapshot(run):
+    return {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_plain_rerun_beside_complete_step_checkpoints_is_refused_naming_the_newest(tmp_path):
+    """Before: last.ckpt without its marker made the directory look new; the run restarted from step 0, wiped
+    metrics.csv's history and went on to replace its step-<n>.ckpt."""
+    from tests.runtime.test_resume_extend import _run
+
+    out = tmp_path / "run"
+    steps = ["task.trainer.max_steps=4", "task.checkpoint_every_n_steps=1", "task.keep_last_checkpoints=2"]
+    _run(out, *steps)
+    marker_path(out / "checkpoints" / "last.ckpt").unlink()
+    before = _snapshot(out)
+    with pytest.raises(ValueError) as err:
+        _run(out, *steps)
+    msg = str(err.value)
+    assert f"{out} already holds a run's checkpoints (last.ckpt, step-2.ckpt, step-3.ckpt" in msg
+    assert f"task.resume={out / 'checkpoints' / 'step-3.ckpt'}" in msg
+    assert _snapshot(out) == before
