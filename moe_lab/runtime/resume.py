@@ -105,20 +105,38 @@ class LastStepCheckpoint(AfterValidation):
             saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
 
+def _complete_lines(path: Path, step: int) -> list[str]:
+    """The lines of ``metrics.csv`` up to its last complete one: a file cut mid-line (killed while the logger
+    wrote, a disk full) loses its partial last line, said in one line with the step it now ends at against the
+    checkpoint's ``step`` (a shortened value is never carried into the resumed run)."""
+    text = path.read_text()
+    if not text or text.endswith("\n"):
+        return text.splitlines(keepends=True)
+    lines = text.splitlines(keepends=True)
+    partial = lines.pop()
+    steps = [r.get("step") for r in csv.DictReader(lines)]
+    last = next((int(float(s)) for s in reversed(steps) if s), None)
+    lost = f"; rows the run logged after step {last} up to the checkpoint's step {step} are lost" \
+        if last is not None and last < step - 1 else ""
+    log.warning("%s was cut mid-line (its last line has no end: %r): that line is dropped, the rows carried end at "
+                "step %s%s", path, partial[:60], last, lost)
+    return lines
+
+
 def _rows_before(path: Path, step: int) -> list[dict]:
-    """Rows of a Lightning ``metrics.csv`` logged before ``step`` (non-empty cells only)."""
+    """Rows of a Lightning ``metrics.csv`` logged before ``step`` (non-empty cells only; a partial last line
+    dropped, :func:`_complete_lines`)."""
     if not path.is_file():
         return []
-    with open(path, newline="") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            try:
-                row_step = int(float(row.get("step") or "nan"))
-            except ValueError:
-                continue
-            if row_step < step:
-                rows.append({k: _number(v) for k, v in row.items() if k != "step" and v not in ("", None)}
-                            | {"step": row_step})
+    rows = []
+    for row in csv.DictReader(_complete_lines(path, step)):
+        try:
+            row_step = int(float(row.get("step") or "nan"))
+        except ValueError:
+            continue
+        if row_step < step:
+            rows.append({k: _number(v) for k, v in row.items() if k != "step" and v not in ("", None)}
+                        | {"step": row_step})
     return rows
 
 

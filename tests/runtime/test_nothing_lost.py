@@ -144,3 +144,25 @@ def test_a_plain_rerun_beside_complete_step_checkpoints_is_refused_naming_the_ne
     assert f"{out} already holds a run's checkpoints (last.ckpt, step-2.ckpt, step-3.ckpt" in msg
     assert f"task.resume={out / 'checkpoints' / 'step-3.ckpt'}" in msg
     assert _snapshot(out) == before
+
+
+# ---- metrics.csv cut mid-file (item 5) -----------------------------------------------------------------------------
+def test_a_metrics_csv_cut_mid_line_loses_its_partial_line_and_says_so(tmp_path, caplog):
+    """Before: the cut row was replayed with a shortened value (5.23 for 5.2345678) and nothing said the rows of
+    the later steps were gone. Oracle: csv over the lines written before the cut."""
+    import csv
+
+    from moe_lab.runtime.resume import History
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    lines = ["epoch,step,train/loss\n", *[f"0,{i},{1.2345678 + i}\n" for i in range(8)]]
+    (run / "metrics.csv").write_text("".join(lines[:5]) + lines[5][:8])  # cut inside step 4's loss
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.resume"):
+        history = History(run / "checkpoints" / "last.ckpt", 8, run)
+    expected = [{"epoch": int(r["epoch"]), "train/loss": float(r["train/loss"]), "step": int(r["step"])}
+                for r in csv.DictReader(lines[:5])]
+    assert history.rows == expected
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runtime.resume"]
+    assert "metrics.csv was cut mid-line" in line and "'0,4,5.23'" in line
+    assert "end at step 3" in line and "up to the checkpoint's step 8 are lost" in line
