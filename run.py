@@ -87,6 +87,8 @@ def _key(override: str) -> str:
 _DEFERRED_SUBDIR: str | None = None
 #: set by expand_argv when the run directory holds a run already: its files are rewritten once the task accepts it
 _EXISTING_RUN = False
+#: set by expand_argv for task.resume: the one line that says which file the resume reads (logged when it starts)
+RESUME_NOTE: str | None = None
 HYDRA_SUBDIR = ".hydra"
 
 
@@ -186,7 +188,7 @@ def expand_argv(argv: list[str]) -> list[str]:
       method itself with the list of valid options, instead of by Hydra with a ``+`` hint that fails too;
     * the OPEN_MAPS (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
     """
-    global _DEFERRED_SUBDIR, _EXISTING_RUN
+    global _DEFERRED_SUBDIR, _EXISTING_RUN, RESUME_NOTE
     args = [f"++{a}" if (a.startswith("method.options.") and "=" in a) or _open_map(a) else a for a in argv[1:]]
     resume = next((a.split("=", 1)[1] for a in args if a.startswith("task.resume=")), None)
     multirun = bool({"-m", "--multirun"} & set(args))
@@ -210,7 +212,10 @@ def expand_argv(argv: list[str]) -> list[str]:
         carried = [o for o in (OmegaConf.to_container(OmegaConf.load(saved)) if saved.is_file() else [])
                    if _key(o) not in dropped]
         here = [] if "hydra.run.dir" in given else [f"hydra.run.dir={run_dir}"]
+        RESUME_NOTE = resume_note(run_dir, carried, [a for a in args if _key(a) != "task.resume"])
         args = [*carried, *args, *here]
+    else:
+        RESUME_NOTE = None
     pinned = next((a.split("=", 1)[1] for a in reversed(args) if _key(a) == "hydra.run.dir"), None)
     if pinned and not multirun:
         run_dir = Path(pinned).expanduser()
@@ -220,6 +225,16 @@ def expand_argv(argv: list[str]) -> list[str]:
         _DEFERRED_SUBDIR = HYDRA_SUBDIR
     _EXISTING_RUN = run_dir is not None and (run_dir / HYDRA_SUBDIR).is_dir()
     return [argv[0], *args]
+
+
+def resume_note(run_dir: Path, carried: list[str], given: list[str]) -> str:
+    """The line a resume starts with: the file its settings come from, and that the run's config files are records
+    (a hand edit of them is not applied)."""
+    saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+    now = f"; given now: {' '.join(given)}" if given else ""
+    return (f"task.resume: the run's settings are conf/ with the overrides of {saved} ({len(carried)} re-applied"
+            f"{now}); {run_dir / HYDRA_SUBDIR / 'config.yaml'} and {run_dir / 'config.yaml'} are records of the "
+            "run, not read: an edit there is not applied, give the change as an override after task.resume")
 
 
 def write_run_files(cfg: DictConfig, out: Path, subdir: str | None) -> None:
@@ -290,6 +305,8 @@ def _execute(cfg: DictConfig, out: Path) -> dict:
     from moe_lab.runtime.stop_signal import RunInterrupted
     from moe_lab.tasks import run_task
 
+    if RESUME_NOTE:
+        log.info(RESUME_NOTE)
     check_open_maps(cfg, sys.argv[1:])
     shorten_dataset(cfg)
     defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))

@@ -166,3 +166,21 @@ def test_a_metrics_csv_cut_mid_line_loses_its_partial_line_and_says_so(tmp_path,
     [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runtime.resume"]
     assert "metrics.csv was cut mid-line" in line and "'0,4,5.23'" in line
     assert "end at step 3" in line and "up to the checkpoint's step 8 are lost" in line
+
+
+# ---- which file a resume reads (item 11) ------------------------------------------------------------------------
+def test_a_resume_says_which_file_it_reads_and_that_the_config_records_are_not(tmp_path):
+    """Before: a hand edit of .hydra/config.yaml was ignored on resume without a word."""
+    import run
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- seed=3\n- dataset.batch_size=2\n")
+    (tmp_path / ".hydra" / "config.yaml").write_text("seed: 99\n")  # the hand edit
+    run.expand_argv(["run.py", f"task.resume={tmp_path}", "task.trainer.max_steps=9"])
+    note = run.RESUME_NOTE
+    assert f"the overrides of {tmp_path / '.hydra' / 'overrides.yaml'} (2 re-applied" in note
+    assert "given now: task.trainer.max_steps=9" in note
+    assert f"{tmp_path / '.hydra' / 'config.yaml'} and {tmp_path / 'config.yaml'} are records" in note
+    assert "an edit there is not applied" in note
+    run.expand_argv(["run.py", "seed=1"])
+    assert run.RESUME_NOTE is None
