@@ -349,30 +349,40 @@ def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str,
 def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
     """A plain ``task=finetune`` (no ``task.resume`` / ``task.ckpt_path``) into a run directory that holds a
     checkpoint (complete, or a ``last.ckpt`` that lost its marker beside complete ``step-<n>.ckpt``) would start
-    again from step 0 over that run's checkpoints and metrics: refused, naming the ``task.resume`` that continues it. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
+    again from step 0 over that run's checkpoints and metrics: refused, naming the ``task.resume`` that continues
+    it. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
     import json
 
-    from .checkpoint_io import MARKER, complete_beside, marker_path
+    from .checkpoint_io import marker_path
 
     ckpt = out / "checkpoints" / "last.ckpt"
     if cfg.task.get("name") != "finetune":
         return
     if not marker_path(ckpt).is_file():
-        written = sorted(p.name for p in ckpt.parent.glob("*.ckpt")) if ckpt.parent.is_dir() else []
-        if not written:
-            return
-        beside = complete_beside(ckpt)
-        how = beside if not beside.startswith("No complete") else (
-            f"None of them has a {MARKER} marker: if last.ckpt is complete, continue it with task.resume={out} "
-            "task.adopt_checkpoint=true (it is re-verified first).")
-        raise ValueError(f"{out} already holds a run's checkpoints ({', '.join(written)}; last.ckpt without its "
-                         f"{MARKER} marker): this command would start it again from step 0 over them and its "
-                         f"metrics.csv. {how} Or give another hydra.run.dir")
+        _refuse_unmarked_run(out, ckpt)
+        return
     step = json.loads(marker_path(ckpt).read_text()).get("global_step", "?")
     raise ValueError(f"{out} already holds a run with a complete checkpoint at step {step} ({ckpt}): this command "
                      "would start it again from step 0 over its checkpoints and metrics.csv. Continue it with "
                      f"task.resume={out} (its own overrides are re-applied; add task.trainer.max_steps=<n> to train "
                      "longer), or give another hydra.run.dir")
+
+
+def _refuse_unmarked_run(out: Path, ckpt: Path) -> None:
+    """Refuse a plain re-run into ``out`` whose ``last.ckpt`` has no marker while checkpoints are there, naming the
+    newest complete one (none: how to adopt one)."""
+    from .checkpoint_io import MARKER, complete_beside
+
+    written = sorted(p.name for p in ckpt.parent.glob("*.ckpt")) if ckpt.parent.is_dir() else []
+    if not written:
+        return
+    how = complete_beside(ckpt)
+    if how.startswith("No complete"):
+        how = (f"None of them has a {MARKER} marker: if one is complete, continue it with task.resume="
+               f"{ckpt.parent}/<file> task.adopt_checkpoint=true (it is re-verified first).")
+    state = f"last.ckpt without its {MARKER} marker" if ckpt.exists() else "no last.ckpt"
+    raise ValueError(f"{out} already holds a run's checkpoints ({', '.join(written)}; {state}): this command would "
+                     f"start it again from step 0 over them and its metrics.csv. {how} Or give another hydra.run.dir")
 
 
 # ---- run files written once a resume is accepted (issue 21.9) ----------------------------------------------------
