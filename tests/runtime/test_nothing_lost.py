@@ -46,6 +46,10 @@ def test_resume_of_a_folder_that_is_not_a_run_is_refused_and_writes_nothing(tmp_
 
 
 # ---- a checkpoint and its marker (items 2, 3, 10) -----------------------------------------------------------------
+class _Killed(Exception):
+    """The kill -9 of the fault campaign, at one point of the save."""
+
+
 def _fit(tmp_path, keep_last=0, max_steps=4, fail_marking_at=None):
     """tests/runtime/test_integrity's tiny fit; ``fail_marking_at``: the run is killed after that step's checkpoint
     file was renamed into place, before its COMPLETED marker was (mark_completed raises)."""
@@ -60,10 +64,10 @@ def _fit(tmp_path, keep_last=0, max_steps=4, fail_marking_at=None):
 
     def killed(trainer, ckpt):
         if trainer.global_step == fail_marking_at:
-            raise KeyboardInterrupt("killed between the renames")
+            raise _Killed("killed between the renames")
         real(trainer, ckpt)
 
-    with mock.patch.object(checkpoint_io, "mark_completed", killed), pytest.raises(BaseException):
+    with mock.patch.object(checkpoint_io, "mark_completed", killed), pytest.raises(_Killed):
         fit(tmp_path, keep_last=keep_last, max_steps=max_steps)
 
 
