@@ -114,6 +114,7 @@ def test_an_intact_checkpoint_whose_marker_was_deleted_is_adopted_on_request(tmp
     """Item 10: before, called half-written with no option accepting it. task.adopt_checkpoint=true re-verifies
     it and writes a marker with its hash (oracle: hashlib); a corrupted one is not adopted."""
     _fit(tmp_path)
+    assert not list(tmp_path.glob("*.PENDING"))  # a save that ends drops its pending marker
     ckpt = tmp_path / "last.ckpt"
     expected = json.loads(marker_path(ckpt).read_text())
     marker_path(ckpt).unlink()
