@@ -81,10 +81,19 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-#: set by expand_argv when the run directory already holds a run: Hydra writes no .hydra/ there; main hands the
-#: writing of config.yaml and .hydra/ to the task, which does it once a resume is accepted
+#: set by expand_argv (unless the command sets hydra.output_subdir): Hydra writes no .hydra/; execute writes it with
+#: config.yaml once it holds the run lock (a refused second run writes nothing into the live run's directory), and
+#: into a directory that holds a run already, once the task accepts the run (a resume)
 _DEFERRED_SUBDIR: str | None = None
+#: set by expand_argv when the run directory holds a run already: its files are rewritten once the task accepts it
+_EXISTING_RUN = False
+#: set by expand_argv for task.resume: the one line that says which file the resume reads (logged when it starts)
+RESUME_NOTE: str | None = None
 HYDRA_SUBDIR = ".hydra"
+
+
+#: what every moe-lab run directory holds (a directory with none of them is not a run: task.resume refuses it)
+RUN_MARKERS = (f"{HYDRA_SUBDIR}/overrides.yaml", "config.yaml")
 
 
 def _run_dir_of(resume: str) -> Path:
@@ -92,7 +101,14 @@ def _run_dir_of(resume: str) -> Path:
     path = Path(resume).expanduser()
     if not path.exists():
         raise ValueError(f"task.resume={resume}: no such run directory or checkpoint file (nothing was created)")
-    return path.parent.parent if path.is_file() or (path / "latest").is_file() else path
+    run_dir = path.parent.parent if path.is_file() or (path / "latest").is_file() else path
+    if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
+        what = "the checkpoint's run directory " if run_dir != path else ""
+        raise ValueError(f"task.resume={resume}: {what}{run_dir} is not a moe-lab run directory (none of "
+                         f"{', '.join(RUN_MARKERS)} in it); nothing was written into it. Give the directory a run "
+                         "wrote (outputs/<task>/<model>_<method>/<time>), or continue a checkpoint file in a new run "
+                         "with task.ckpt_path=<file> and that run's overrides")
+    return run_dir
 
 
 #: tasks that task.resume=<run dir> continues; how every other kind of run resumes
@@ -165,14 +181,15 @@ def expand_argv(argv: list[str]) -> list[str]:
       overrides given now win) and runs in that directory (a path that does not exist, or a run directory copied
       without ``.hydra/``, or a run of a task that task.resume does not continue, is refused: ``ValueError``, naming
       how that kind resumes);
-    * into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``), Hydra writes no
-      ``.hydra/``: the run's own files change only once the task accepts the run (:data:`_DEFERRED_SUBDIR`);
+    * Hydra writes no ``.hydra/`` (:data:`_DEFERRED_SUBDIR`): :func:`execute` writes it with config.yaml once it
+      holds the run lock, and into a directory that holds a run already (a resume, or ``hydra.run.dir=<run dir>``)
+      only once the task accepts the run;
     * ``method.options.<name>=v`` may name any option (``++``): a misspelt one is refused before Hydra runs,
       naming the nearest option (:func:`moe_lab.runtime.override_keys.check_override_keys`), or where that check
       leaves the command to Hydra (a sweep over ``method=``), by the method itself with the list of valid options;
     * the OPEN_MAPS (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
     """
-    global _DEFERRED_SUBDIR
+    global _DEFERRED_SUBDIR, _EXISTING_RUN, RESUME_NOTE
     args = [f"++{a}" if (a.startswith("method.options.") and "=" in a) or _open_map(a) else a for a in argv[1:]]
     resume = next((a.split("=", 1)[1] for a in args if a.startswith("task.resume=")), None)
     multirun = bool({"-m", "--multirun"} & set(args))
@@ -196,14 +213,29 @@ def expand_argv(argv: list[str]) -> list[str]:
         carried = [o for o in (OmegaConf.to_container(OmegaConf.load(saved)) if saved.is_file() else [])
                    if _key(o) not in dropped]
         here = [] if "hydra.run.dir" in given else [f"hydra.run.dir={run_dir}"]
+        RESUME_NOTE = resume_note(run_dir, carried, [a for a in args if _key(a) != "task.resume"])
         args = [*carried, *args, *here]
+    else:
+        RESUME_NOTE = None
     pinned = next((a.split("=", 1)[1] for a in reversed(args) if _key(a) == "hydra.run.dir"), None)
     if pinned and not multirun:
         run_dir = Path(pinned).expanduser()
-    if run_dir is not None and (run_dir / HYDRA_SUBDIR).is_dir() and "hydra.output_subdir" not in given:
+    _DEFERRED_SUBDIR = None
+    if "hydra.output_subdir" not in given:
         args.append("hydra.output_subdir=null")
         _DEFERRED_SUBDIR = HYDRA_SUBDIR
+    _EXISTING_RUN = run_dir is not None and (run_dir / HYDRA_SUBDIR).is_dir()
     return [argv[0], *args]
+
+
+def resume_note(run_dir: Path, carried: list[str], given: list[str]) -> str:
+    """The line a resume starts with: the file its settings come from, and that the run's config files are records
+    (a hand edit of them is not applied)."""
+    saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+    now = f"; given now: {' '.join(given)}" if given else ""
+    return (f"task.resume: the run's settings are conf/ with the overrides of {saved} ({len(carried)} re-applied"
+            f"{now}); {run_dir / HYDRA_SUBDIR / 'config.yaml'} and {run_dir / 'config.yaml'} are records of the "
+            "run, not read: an edit there is not applied, give the change as an override after task.resume")
 
 
 def write_run_files(cfg: DictConfig, out: Path, subdir: str | None) -> None:
@@ -260,10 +292,7 @@ def main(cfg: DictConfig):
 def execute(cfg: DictConfig) -> dict:
     """Run (or with ``plan=true`` only plan) the composed config; returns the task's summary. ``main`` is this
     behind Hydra's command line; tests call it in-process on a config composed with ``paths.output_dir`` set."""
-    from moe_lab.runtime.preflight import preflight
-    from moe_lab.runtime.resume import accept_run, defer_run_files
-    from moe_lab.runtime.stop_signal import RunInterrupted
-    from moe_lab.tasks import run_task
+    from moe_lab.runtime.run_lock import RunLock
 
     _quiet()
     if not sys.stdout.isatty():  # carriage-return bars of file writes are noise in logs and CI
@@ -276,10 +305,22 @@ def execute(cfg: DictConfig) -> dict:
 
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out):  # before anything is written: a second run into a live run's directory writes nothing
+        return _execute(cfg, out)
+
+
+def _execute(cfg: DictConfig, out: Path) -> dict:
+    from moe_lab.runtime.preflight import preflight
+    from moe_lab.runtime.resume import accept_run, defer_run_files
+    from moe_lab.runtime.stop_signal import RunInterrupted
+    from moe_lab.tasks import run_task
+
+    if RESUME_NOTE:
+        log.info(RESUME_NOTE)
     check_open_maps(cfg, sys.argv[1:])
     shorten_dataset(cfg)
     defer_run_files(lambda: write_run_files(cfg, out, _DEFERRED_SUBDIR))
-    if _DEFERRED_SUBDIR is None:
+    if not _EXISTING_RUN:
         accept_run()  # a new run directory: written now
     if cfg.get("plan"):
         from moe_lab.runtime.plan import plan

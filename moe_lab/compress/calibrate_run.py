@@ -118,6 +118,25 @@ def calibration_sequences(dataset_cfg: DictConfig, tokenizer, c) -> tuple[list[d
     return batches, label + f" train rows, first {n}"
 
 
+def _readable_partial(partial: Path) -> Path | None:
+    """The run's own partial calibration to continue (None: none). One that safetensors cannot open (truncated by
+    a kill while it was copied, a full disk) is deleted and the calibration restarts from the first batch, said in
+    one line: it is the run's own scratch file, and continuing it is impossible."""
+    from safetensors import SafetensorError, safe_open
+
+    if not partial.is_file():
+        return None
+    try:
+        with safe_open(str(partial), framework="pt") as handle:
+            handle.metadata()
+    except (SafetensorError, OSError) as err:
+        partial.unlink()
+        log.warning("%s is truncated or corrupted (%s): deleted, the calibration restarts from the first batch",
+                    partial, err)
+        return None
+    return partial
+
+
 def calibrate_task(cfg: DictConfig) -> dict:
     """Calibrate ``cfg.model`` on ``cfg.compress.calibration.dataset``; write ``calibration.safetensors`` and ``summary.json``."""
     out = Path(cfg.paths.output_dir)
@@ -125,7 +144,7 @@ def calibrate_task(cfg: DictConfig) -> dict:
     model, tokenizer = load_model(cfg.model)
     batches, source = calibration_sequences(c.dataset, tokenizer, c)
     partial = out / "calibration.partial.safetensors"
-    resume = c.resume_from or (partial if partial.is_file() else None)
+    resume = c.resume_from or _readable_partial(partial)
     if resume is not None:
         log.info("resuming calibration from %s", resume)
     start = time.time()

@@ -123,11 +123,14 @@ class Calibration:
         except (SafetensorError, OSError) as err:
             partial = path.with_name("calibration.partial.safetensors")
             resume = (f", or continue its partial with compress.calibration.resume_from={partial}"
-                      if partial.is_file() else "")
+                      if partial.is_file() and partial != path else "")
+            fix = (f"Recalibrate with task=calibrate (the same command again with hydra.run.dir=<its run dir> "
+                   f"continues a calibration that was interrupted){resume}")
+            if field == "compress.calibration.resume_from":  # the partial itself: it cannot be continued
+                fix = (f"It cannot be continued: delete {path} and drop {field} to calibrate from the first batch")
             raise ValueError(
                 f"{field or 'compress.calibration_file (or condense.calibration_file)'}={path}: the file is truncated "
-                f"or corrupted ({err}). Recalibrate with task=calibrate (the same command again with "
-                f"hydra.run.dir=<its run dir> continues a calibration that was interrupted){resume}") from None
+                f"or corrupted ({err}). {fix}") from None
         if MANIFEST_KEY not in metadata:
             raise ValueError(f"{path} is not a moe-lab calibration file (no {MANIFEST_KEY!r} metadata)")
         manifest = json.loads(metadata[MANIFEST_KEY])
@@ -143,18 +146,18 @@ class Calibration:
         return cls(manifest, dict(sorted(layers.items())))
 
     # checks -------------------------------------------------------------------------------------
-    def check_compatible(self, model: nn.Module) -> None:
+    def check_compatible(self, model: nn.Module, what: str = "calibration file",
+                         fix: str = "recalibrate this model with task=calibrate") -> None:
         """Raise ValueError unless this calibration was taken on ``model`` (name, revision, layer and expert
-        counts, MoE layer indices, router weights)."""
+        counts, MoE layer indices, router weights); ``what`` names the file, ``fix`` is the advice."""
         m = self.manifest
         expected = model_manifest(model)
         for key in ("model", "revision", "model_type", "num_hidden_layers", "moe_layers", "num_experts",
                     "top_k", "hidden_size"):
             if m.get(key) != expected.get(key):
                 raise ValueError(
-                    f"calibration file is for {key}={m.get(key)!r} (model {m.get('model')!r}, revision "
-                    f"{m.get('revision')!r}) but the model has {key}={expected.get(key)!r}: recalibrate this "
-                    "model with task=calibrate"
+                    f"{what} is for {key}={m.get(key)!r} (model {m.get('model')!r}, revision "
+                    f"{m.get('revision')!r}) but the model has {key}={expected.get(key)!r}: {fix}"
                 )
         lower_precision = set()
         for view in find_moe_layers(model):
@@ -166,8 +169,8 @@ class Calibration:
                 lower_precision.add(str(live.dtype).removeprefix("torch."))  # the same weights, rounded
                 continue
             raise ValueError(
-                f"layer {view.index}: the model's router weights differ from the calibrated ones (another "
-                "revision or a fine-tuned model?): recalibrate this model with task=calibrate"
+                f"{what}, layer {view.index}: the model's router weights differ from the calibrated ones (another "
+                f"revision or a fine-tuned model?): {fix}"
             )
         if lower_precision:
             log.warning("calibration %s was taken on this model's weights at float32; the model now runs in %s "
@@ -377,8 +380,11 @@ def calibrate(
                 "batches_done": 0, "tokens": 0, "num_sequences": 0, "seq_len": 0,
                 "data": {"source": data_source, "sha256": ""}, **(manifest_extra or {})}
     if resume_from is not None:
-        partial = Calibration.load(resume_from)
-        partial.check_compatible(model)
+        partial = Calibration.load(resume_from, field="compress.calibration.resume_from")
+        owner = partial.manifest.get("model_config") or partial.manifest.get("model")
+        partial.check_compatible(model, what=f"the partial calibration {resume_from} (it belongs to model {owner})",
+                                 fix=f"continue it with model={owner}, or delete {resume_from} (or calibrate into "
+                                     "another hydra.run.dir) to calibrate this model from the start")
         layers = partial.layers
         manifest.update({k: partial.manifest[k] for k in ("batches_done", "tokens", "num_sequences", "seq_len")})
         manifest["data"]["sha256"] = partial.manifest["data"]["sha256"]

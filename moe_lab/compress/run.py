@@ -138,8 +138,14 @@ def compress(cfg: DictConfig) -> dict:
 
 def _study_settings(cfg: DictConfig, ppl_kw: dict, **extra) -> dict:
     """What a grid's / study's points depend on besides their own key: a re-run with other settings is refused."""
+    from ..eval.fingerprint import weights_fingerprint
+
     c = cfg.compress
-    return {"model": to_plain(cfg.model), "calibration_file": c.calibration_file, "eval": to_plain(c.eval),
+    # the file's contents (its header holds the manifest: data sha256, sequences, ...), not only its path: a
+    # calibration rewritten at the same path would mix old points with new ones
+    contents = weights_fingerprint(c.calibration_file) if c.calibration_file else None
+    return {"model": to_plain(cfg.model), "calibration_file": c.calibration_file, "calibration_contents": contents,
+            "eval": to_plain(c.eval),
             "seed": int(c.seed), "order": c.do.order, "lambda": _lam(c), **ppl_kw, **extra}
 
 

@@ -27,10 +27,11 @@ import itertools
 import json
 import logging
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..plain import to_plain
@@ -154,6 +155,18 @@ def kd_loss_from_record(student_logits: torch.Tensor, record: dict[str, torch.Te
     return (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).mean()
 
 
+@contextmanager
+def _readable(path, option: str):
+    """A record file that safetensors cannot read (truncated: a kill or a full disk while it was copied) is named
+    with the option that gave it and the fix, instead of a bare ``SafetensorError``."""
+    try:
+        yield
+    except SafetensorError as err:
+        raise ValueError(f"{option}={path}: the teacher record is truncated or corrupted (safetensors: {err}). "
+                         "Write it again with python run.py task=teacher_logits (the same dataset, seed and "
+                         f"task.trainer overrides as this run) and point {option} at the new file") from None
+
+
 class RecordedTeacher:
     """A run's teacher record (``task=teacher_logits``) as one data-parallel rank reads it: a batch cursor per
     split, and every batch checked (token count, shape, checksum) against the one recorded there.
@@ -165,13 +178,14 @@ class RecordedTeacher:
 
     def __init__(self, path, option: str = "method.options.teacher_logits"):
         self.path, self.option = str(path), option
-        meta = load_metadata(path)
+        with _readable(path, option):
+            meta = load_metadata(path)
         if meta.get("format") != FORMAT:
             raise ValueError(f"{option}={path} is not a run record with batch checksums ({FORMAT}); write it with "
                              "python run.py task=teacher_logits (same dataset, seed and task.trainer overrides)")
         self.world_size, self.top_k = int(meta["world_size"]), meta.get("top_k")
         self.recorded_with = meta.get("recorded_with") or {}
-        with safe_open(self.path, "pt") as f:
+        with _readable(path, option), safe_open(self.path, "pt") as f:
             keys = set(f.keys())
             self.splits = tuple(s for s in SPLITS if f"{s}.0.batch_tokens" in keys)
             self.vocab = f.get_slice("train.0.logits").get_shape()[-1] if "train.0.logits" in keys else None
@@ -189,7 +203,7 @@ class RecordedTeacher:
             raise ValueError(f"{self.option}={self.path} was recorded for {self.world_size} data-parallel rank(s); "
                              f"this run has {world_size}: record it again with task=teacher_logits under this "
                              f"run's hardware (or task.world_size={world_size})")
-        with safe_open(self.path, "pt") as f:
+        with _readable(self.path, self.option), safe_open(self.path, "pt") as f:
             keys = list(f.keys())
             for split in self.splits:
                 prefix = f"{split}.{rank}."

@@ -1,5 +1,6 @@
 """A cheap fingerprint of a model's weights, recorded with an evaluation's predictions so that a resumed run never
-mixes predictions of two models (an ``export/`` rewritten between the interrupted and the resumed run).
+mixes predictions of two models (an ``export/`` rewritten between the interrupted and the resumed run); and the
+fingerprint of an eval set's contents (:func:`rows_fingerprint`: the same set name with other rows is another set).
 
 Hashing every byte of a multi-GB checkpoint on each resume would cost minutes; instead, per weights file: its
 name, its size, its safetensors header (tensor names, dtypes, shapes) and the first and last MiB of its bytes, plus
@@ -57,3 +58,14 @@ def model_fingerprint(checkpoint, model_cfg: dict) -> str:
             if found is not None:
                 return found
     return hashlib.sha256(json.dumps(model_cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rows_fingerprint(rows: list[dict], text: str | None = None) -> str:
+    """The hash of an eval set's contents: every row (keys sorted) and, for a perplexity set, its text. A set
+    rewritten with other rows or answers under the same name has another fingerprint."""
+    sha = hashlib.sha256()
+    for row in rows:
+        sha.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+    if text is not None:
+        sha.update(text.encode())
+    return sha.hexdigest()[:16]

@@ -38,7 +38,7 @@ from .eval_sets import (
     resolve,
     row_ids,
 )
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, rows_fingerprint
 from .results import ResultsTable
 from .score import format_summary, score_choice_records, score_predictions
 
@@ -135,7 +135,10 @@ class PredictionStore:
             if changed:
                 detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
                 what = ("with another model (its weights changed since: the fingerprint differs; see "
-                        "moe_lab.eval.fingerprint)" if "weights" in changed else "with other settings")
+                        "moe_lab.eval.fingerprint)" if "weights" in changed else
+                        "for other contents of the set (its rows changed since under the same name: the data "
+                        "fingerprint differs; the predictions would be scored against other answers)"
+                        if "data" in changed else "with other settings")
                 raise ValueError(
                     f"{self.path} was written {what} ({detail}). Evaluate into a new output "
                     "directory (hydra.run.dir=...) or delete that file to start it over."
@@ -344,10 +347,11 @@ def evaluate(cfg: DictConfig) -> dict:
             table.add(*key, spec.title, None, averaged=spec.kind != "perplexity")
             continue
         n_total = len(data.rows)
+        set_settings = {**settings, "data": rows_fingerprint(data.rows, data.text)}  # the whole set, any limit
         if ev.get("limit") is not None:
             data = EvalData(data.spec, data.rows[: int(ev.limit)], data.source, text=data.text)
         t0, cells = time.time(), []
-        summary = _evaluate_set(model, tokenizer, data, ev, pred_dir, settings, cells)
+        summary = _evaluate_set(model, tokenizer, data, ev, pred_dir, set_settings, cells)
         for column, value, averaged in cells:
             table.add(*key, column, value, averaged=averaged)
         summary.update(n_total_rows=n_total, wall_time_s=round(time.time() - t0, 2))

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..callbacks.after_validation import AfterValidation
 from .atomic import explain_write_failure, umask_mode
+from .marker_recovery import ADOPT_FIELD, adopt_pending, drop_pending, reverify, write_pending
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,14 @@ class _HashingWriter:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves to a temporary file in the target directory, fsyncs, then renames over the target. The file's sha256
-    is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker."""
+    is computed while it is written (no second read) and kept in ``digests`` for its COMPLETED marker. With the
+    marker's other fields given in ``marker_info`` (by the caller that marks it), the marker is written first, as a
+    pending marker named by that hash (:mod:`.marker_recovery`): a kill between the two renames loses nothing."""
 
     def __init__(self):
         super().__init__()
         self.digests: dict[str, str] = {}
+        self.marker_info: dict[str, dict] = {}
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
@@ -56,6 +60,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, writer)
                 f.flush()
                 os.fsync(f.fileno())
+            info = self.marker_info.pop(os.path.abspath(path), None)
+            if info is not None:
+                write_pending(path, info, writer.sha.hexdigest())
             os.replace(tmp, path)
             self.digests[os.path.abspath(path)] = writer.sha.hexdigest()
         except BaseException:
@@ -208,21 +215,28 @@ def marker_path(ckpt: str | Path) -> Path:
     return ckpt / MARKER if ckpt.is_dir() else ckpt.with_name(f"{ckpt.name}.{MARKER}")
 
 
-def mark_completed(trainer, ckpt: str | Path) -> None:
-    """Rank zero writes the marker (JSON: step, strategy, world size) once every rank finished saving ``ckpt``
-    (``Trainer.save_checkpoint`` ends with a barrier)."""
-    import json
-
+def _marker_info(trainer) -> dict:
+    """A COMPLETED marker's fields but the hash: step, strategy, world size."""
     from .strategies import strategy_kind
+
+    return {"global_step": int(trainer.global_step), "strategy": strategy_kind(trainer.strategy),
+            "world_size": int(trainer.world_size)}
+
+
+def mark_completed(trainer, ckpt: str | Path) -> None:
+    """Rank zero writes the marker (JSON: step, strategy, world size, sha256) once every rank finished saving
+    ``ckpt`` (``Trainer.save_checkpoint`` ends with a barrier); the pending marker written before the file's
+    rename is dropped."""
+    import json
 
     if not trainer.is_global_zero:
         return
-    info = {"global_step": int(trainer.global_step), "strategy": strategy_kind(trainer.strategy),
-            "world_size": int(trainer.world_size), "sha256": content_digests(Path(ckpt), trainer)}
+    info = {**_marker_info(trainer), "sha256": content_digests(Path(ckpt), trainer)}
     target = marker_path(ckpt)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(info) + "\n")  # open(): the umask's mode
     os.replace(tmp, target)
+    drop_pending(Path(ckpt))
 
 
 def _sha256_file(path: Path) -> str:
@@ -245,11 +259,8 @@ def content_digests(ckpt: Path, trainer=None) -> dict[str, str]:
 
 
 def verify_digests(path: Path, info: dict, field: str) -> None:
-    """Refuse ``path`` when its content differs from the sha256 its COMPLETED marker ``info`` recorded (a marker
-    of an older moe-lab has none: nothing to verify)."""
-    recorded = info.get("sha256")
-    if not recorded:
-        return
+    """Refuse ``path`` when its content differs from the sha256 its COMPLETED marker ``info`` recorded."""
+    recorded = info["sha256"]
     actual = content_digests(path)
     bad = sorted(name for name in set(recorded) | set(actual) if recorded.get(name) != actual.get(name))
     if bad:
@@ -286,6 +297,7 @@ def complete_beside(path: Path) -> str:
 def _unmark(trainer, ckpt: str | Path) -> None:
     if trainer.is_global_zero:
         marker_path(ckpt).unlink(missing_ok=True)
+        drop_pending(Path(ckpt))
 
 
 def check_finite_weights(trainer, ckpt: Path) -> None:
@@ -315,6 +327,11 @@ def _save_marked(trainer, ckpt: Path, save=None) -> None:
     if Path(ckpt).is_dir():
         _unmark(trainer, ckpt)
     trainer.strategy.barrier("moe_lab.unmark")
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    info = _marker_info(trainer)
+    if trainer.is_global_zero and isinstance(getattr(io, "marker_info", None), dict) \
+            and not info["strategy"].startswith("deepspeed"):  # a file: its pending marker, before the rename
+        io.marker_info[os.path.abspath(ckpt)] = info
     if save is None:
         trainer.save_checkpoint(ckpt, weights_only=False)  # explicit: Lightning logs a line when it is left unset
     else:
@@ -368,22 +385,56 @@ def _family(kind: str) -> str:
     return "deepspeed" if kind.startswith("deepspeed") else "fsdp" if kind == "fsdp" else "plain"
 
 
-def check_resumable(path: str | Path, field: str, strategy: str) -> None:
-    """Refuse to resume ``path`` when it has no COMPLETED marker (half-written) or was written under a strategy
-    whose checkpoint ``strategy`` (:func:`moe_lab.runtime.strategies.config_strategy_kind`) cannot load."""
+def _vouched(path: Path, field: str, strategy: str, adopt: bool) -> dict:
+    """The marker info of ``path`` once its content is vouched for: by its marker's sha256, by a pending marker
+    (:func:`.marker_recovery.adopt_pending`), or with ``adopt`` by re-verification; else a refusal naming why."""
+    import json
+
+    marker = marker_path(path)
+    info = json.loads(marker.read_text()) if marker.is_file() else None
+    if info is not None and info.get("sha256"):
+        try:
+            verify_digests(path, info, field)
+            return info
+        except ValueError:
+            adopted = adopt_pending(path, field)  # a newer file published, its marker not yet
+            if adopted is None:
+                raise
+            return adopted
+    adopted = adopt_pending(path, field)
+    if adopted is not None:
+        return adopted
+    if adopt:
+        return reverify(path, field, strategy)
+    how = (f"If you know it is complete, pass {ADOPT_FIELD}=true: the file is re-verified (every record's CRC-32, "
+           "read back whole) and given a marker with its hash")
+    if info is None:
+        raise ValueError(
+            f"{field}={path}: no {MARKER} marker ({marker}): the run stopped while saving it (half-written), or the "
+            f"marker was deleted. {complete_beside(path)} {how}.")
+    raise ValueError(
+        f"{field}={path}: its {MARKER} marker ({marker}) records no sha256 (an older moe-lab's, or edited), so it "
+        f"cannot vouch for the file: a corrupted checkpoint would train on. {how}. {complete_beside(path)}")
+
+
+def check_resumable(path: str | Path, field: str, strategy: str, adopt: bool = False) -> None:
+    """Refuse to resume ``path`` when it was written under a strategy whose checkpoint ``strategy``
+    (:func:`moe_lab.runtime.strategies.config_strategy_kind`) cannot load, or when nothing vouches for its content
+    (no COMPLETED marker, a marker without a hash, a hash that differs: :func:`_vouched`; ``adopt``:
+    ``task.adopt_checkpoint``)."""
     import json
 
     path = Path(path)
     if not path.exists():
         return  # read_checkpoint names the missing file
     marker = marker_path(path)
-    if not marker.is_file():
-        raise ValueError(
-            f"{field}={path}: no {MARKER} marker ({marker}), so the checkpoint is half-written (the run stopped "
-            f"while saving it) or was written by an older moe-lab. {complete_beside(path)}")
-    info = json.loads(marker.read_text())
-    verify_digests(path, info, field)
-    written = info.get("strategy", "single")
+    written = json.loads(marker.read_text()).get("strategy", "single") if marker.is_file() else strategy
+    _check_strategy(path, field, strategy, written)
+    _vouched(path, field, strategy, adopt)
+
+
+def _check_strategy(path: Path, field: str, strategy: str, written: str) -> None:
+    """Refuse a checkpoint ``written`` under a strategy whose optimizer state ``strategy`` cannot load."""
     if _family(written) == _family(strategy):
         if written != strategy and written.startswith("deepspeed"):
             raise ValueError(f"{field}={path} was written under {written}, this run is {strategy}: resume with "

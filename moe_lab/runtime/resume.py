@@ -105,20 +105,38 @@ class LastStepCheckpoint(AfterValidation):
             saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
 
+def _complete_lines(path: Path, step: int) -> list[str]:
+    """The lines of ``metrics.csv`` up to its last complete one: a file cut mid-line (killed while the logger
+    wrote, a disk full) loses its partial last line, said in one line with the step it now ends at against the
+    checkpoint's ``step`` (a shortened value is never carried into the resumed run)."""
+    text = path.read_text()
+    if not text or text.endswith("\n"):
+        return text.splitlines(keepends=True)
+    lines = text.splitlines(keepends=True)
+    partial = lines.pop()
+    steps = [r.get("step") for r in csv.DictReader(lines)]
+    last = next((int(float(s)) for s in reversed(steps) if s), None)
+    lost = f"; rows the run logged after step {last} up to the checkpoint's step {step} are lost" \
+        if last is not None and last < step - 1 else ""
+    log.warning("%s was cut mid-line (its last line has no end: %r): that line is dropped, the rows carried end at "
+                "step %s%s", path, partial[:60], last, lost)
+    return lines
+
+
 def _rows_before(path: Path, step: int) -> list[dict]:
-    """Rows of a Lightning ``metrics.csv`` logged before ``step`` (non-empty cells only)."""
+    """Rows of a Lightning ``metrics.csv`` logged before ``step`` (non-empty cells only; a partial last line
+    dropped, :func:`_complete_lines`)."""
     if not path.is_file():
         return []
-    with open(path, newline="") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            try:
-                row_step = int(float(row.get("step") or "nan"))
-            except ValueError:
-                continue
-            if row_step < step:
-                rows.append({k: _number(v) for k, v in row.items() if k != "step" and v not in ("", None)}
-                            | {"step": row_step})
+    rows = []
+    for row in csv.DictReader(_complete_lines(path, step)):
+        try:
+            row_step = int(float(row.get("step") or "nan"))
+        except ValueError:
+            continue
+        if row_step < step:
+            rows.append({k: _number(v) for k, v in row.items() if k != "step" and v not in ("", None)}
+                        | {"step": row_step})
     return rows
 
 
@@ -330,20 +348,41 @@ def check_trainable(ckpt: dict, path: Path, module, cfg: DictConfig, field: str,
 
 def refuse_existing_run(cfg: DictConfig, out: Path) -> None:
     """A plain ``task=finetune`` (no ``task.resume`` / ``task.ckpt_path``) into a run directory that holds a
-    complete checkpoint would start again from step 0 over that run's checkpoints and metrics: refused, naming
-    ``task.resume``. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
+    checkpoint (complete, or a ``last.ckpt`` that lost its marker beside complete ``step-<n>.ckpt``) would start
+    again from step 0 over that run's checkpoints and metrics: refused, naming the ``task.resume`` that continues
+    it. (A requeued SLURM job continues it by itself: ``moe_lab.runtime.slurm.resume_requeued``.)"""
     import json
 
     from .checkpoint_io import marker_path
 
     ckpt = out / "checkpoints" / "last.ckpt"
-    if cfg.task.get("name") != "finetune" or not marker_path(ckpt).is_file():
+    if cfg.task.get("name") != "finetune":
+        return
+    if not marker_path(ckpt).is_file():
+        _refuse_unmarked_run(out, ckpt)
         return
     step = json.loads(marker_path(ckpt).read_text()).get("global_step", "?")
     raise ValueError(f"{out} already holds a run with a complete checkpoint at step {step} ({ckpt}): this command "
                      "would start it again from step 0 over its checkpoints and metrics.csv. Continue it with "
                      f"task.resume={out} (its own overrides are re-applied; add task.trainer.max_steps=<n> to train "
                      "longer), or give another hydra.run.dir")
+
+
+def _refuse_unmarked_run(out: Path, ckpt: Path) -> None:
+    """Refuse a plain re-run into ``out`` whose ``last.ckpt`` has no marker while checkpoints are there, naming the
+    newest complete one (none: how to adopt one)."""
+    from .checkpoint_io import MARKER, complete_beside
+
+    written = sorted(p.name for p in ckpt.parent.glob("*.ckpt")) if ckpt.parent.is_dir() else []
+    if not written:
+        return
+    how = complete_beside(ckpt)
+    if how.startswith("No complete"):
+        how = (f"None of them has a {MARKER} marker: if one is complete, continue it with task.resume="
+               f"{ckpt.parent}/<file> task.adopt_checkpoint=true (it is re-verified first).")
+    state = f"last.ckpt without its {MARKER} marker" if ckpt.exists() else "no last.ckpt"
+    raise ValueError(f"{out} already holds a run's checkpoints ({', '.join(written)}; {state}): this command would "
+                     f"start it again from step 0 over them and its metrics.csv. {how} Or give another hydra.run.dir")
 
 
 # ---- run files written once a resume is accepted (issue 21.9) ----------------------------------------------------

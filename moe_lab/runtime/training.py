@@ -97,7 +97,8 @@ def _finetune(cfg: DictConfig) -> dict:
     if ckpt_path is None:
         refuse_existing_run(cfg, out)  # the same command again would start that run over
     else:
-        check_resumable(ckpt_path, field, config_strategy_kind(cfg.hardware.trainer))
+        check_resumable(ckpt_path, field, config_strategy_kind(cfg.hardware.trainer),
+                        adopt=bool(cfg.task.get("adopt_checkpoint")))
     ckpt = read_checkpoint(ckpt_path, field) if ckpt_path is not None else None
     recorded = None
     if ckpt is not None:

@@ -118,3 +118,19 @@ def test_a_point_that_dies_leaves_the_finished_ones_and_the_prune_study_resumes(
     compress(_cfg(run, *common))
     assert len(calls) == 1
     pd.testing.assert_frame_equal(_table(run / "prune.csv"), _table(tmp_path / "whole" / "prune.csv"))
+
+
+def test_a_grid_rerun_after_its_calibration_was_rewritten_is_refused(tmp_path):
+    """Issue 32 item 7: a calibration rewritten at the same path (other data) mixed old points with new ones,
+    silently (the stamp held its path only)."""
+    from moe_lab.models import load_model
+
+    common = _common(tmp_path)
+    grid = [*common, "compress=paper_grid", "compress.grid.scores=[sf]", "compress.grid.groupings=[rr]"]
+    run = tmp_path / "run"
+    compress(_cfg(run, *grid))
+    tiny, _ = load_model(_cfg(tmp_path).model)
+    calibrate(tiny.eval(), [random_batch(batch=2, seq=16, pad_rows=(), seed=1)]).save(tmp_path / "cal.safetensors")
+    with pytest.raises(ValueError, match=r"points.csv holds points measured with other settings "
+                                         r"\(calibration_contents: '[0-9a-f]{16}' -> '[0-9a-f]{16}'\)"):
+        compress(_cfg(run, *grid))

@@ -21,6 +21,7 @@ from moe_lab.runtime.checkpoint_io import (
     MARKER,
     check_resumable,
     checkpoint_callback,
+    content_digests,
     convert_zero_checkpoint,
     marker_path,
     read_checkpoint,
@@ -75,13 +76,16 @@ def test_half_written_checkpoint_is_refused_naming_the_complete_ones(tmp_path):
         check_resumable(tmp_path / "last.ckpt", "task.resume", "single")
     msg = str(err.value)
     assert msg.startswith(f"task.resume={tmp_path / 'last.ckpt'}: no {MARKER} marker") and "half-written" in msg
+    assert "or the marker was deleted" in msg and "task.adopt_checkpoint=true" in msg
     assert "step-6.ckpt (step 6), step-5.ckpt (step 5)" in msg
 
 
 def _marked_dir(tmp_path, strategy):
     ckpt = tmp_path / "last.ckpt"
     ckpt.mkdir()
-    (ckpt / MARKER).write_text(json.dumps({"global_step": 2, "strategy": strategy, "world_size": 8}))
+    (ckpt / "latest").write_text("global_step2")
+    (ckpt / MARKER).write_text(json.dumps({"global_step": 2, "strategy": strategy, "world_size": 8,
+                                           "sha256": content_digests(ckpt)}))
     return ckpt
 
 
@@ -97,7 +101,7 @@ def test_checkpoint_of_another_strategy_is_refused_with_the_conversion_command(t
         check_resumable(zero3, "task.resume", "deepspeed_zero2")
     plain = tmp_path / "plain.ckpt"
     plain.write_bytes(b"x")
-    marker_path(plain).write_text(json.dumps({"strategy": "ddp"}))
+    marker_path(plain).write_text(json.dumps({"strategy": "ddp", "sha256": content_digests(plain)}))
     check_resumable(plain, "task.ckpt_path", "single")  # DDP and one process share the checkpoint format
     with pytest.raises(ValueError, match="written under ddp; this run uses fsdp"):
         check_resumable(plain, "task.ckpt_path", "fsdp")

@@ -62,15 +62,19 @@ def test_corrupted_checkpoint_is_refused_naming_it_and_the_complete_ones(tmp_pat
 
 
 def test_truncated_checkpoint_without_a_hash_says_truncated_and_names_the_complete_ones(tmp_path):
-    """A marker of an older moe-lab (no hash) over a truncated file: read_checkpoint says truncated or corrupted
-    (not 'use last.ckpt', which is what was given) and names the complete checkpoints beside it."""
+    """A marker of an older moe-lab (no hash) over a truncated file: refused (it cannot vouch for the file), and
+    re-verified on request it fails; read_checkpoint says truncated or corrupted (not 'use last.ckpt', which is what
+    was given) and names the complete checkpoints beside it."""
     _fit(tmp_path)
     ckpt = tmp_path / "last.ckpt"
     info = json.loads(marker_path(ckpt).read_text())
     info.pop("sha256")
     marker_path(ckpt).write_text(json.dumps(info))
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    check_resumable(ckpt, "task.resume", "single")  # nothing to verify against
+    with pytest.raises(ValueError, match=r"records no sha256 .*task.adopt_checkpoint=true"):
+        check_resumable(ckpt, "task.resume", "single")
+    with pytest.raises(ValueError, match=r"re-verified it and it fails.*truncated or corrupted.*step-4.ckpt"):
+        check_resumable(ckpt, "task.resume", "single", adopt=True)
     with pytest.raises(ValueError) as err:
         read_checkpoint(ckpt, "task.resume")
     msg = str(err.value)

@@ -221,6 +221,8 @@ def test_refused_commands_leave_the_run_files_and_the_plain_resume_works(tmp_pat
         assert [f.read_bytes() for f in files] == before, refused
     proc = run_py(f"task.resume={out}", "task.trainer.max_steps=3", cwd=tmp_path)
     assert json.loads((out / "summary.json").read_text())["global_step"] == 3
+    assert f"overrides of {out / '.hydra' / 'overrides.yaml'}" in proc.stdout + proc.stderr  # which file it reads
+    assert "an edit there is not applied" in (out / "run.log").read_text()
     assert "task.trainer.max_steps=3" in (out / ".hydra" / "overrides.yaml").read_text()  # accepted: recorded
     typo = run_py(f"task.resume={tmp_path / 'rnu'}", cwd=tmp_path, check=False)
     assert typo.returncode != 0 and f"task.resume={tmp_path / 'rnu'}: no such run directory" in typo.stderr

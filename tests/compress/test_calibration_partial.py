@@ -1,0 +1,64 @@
+"""A calibration's partial file (issue 32 items 9, 12): a truncated one of the run's own is deleted and the
+calibration restarts (one line; before, both suggested fixes reused the damaged partial), one given by
+compress.calibration.resume_from is refused saying to delete it; a partial of another model says whose it is."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moe_lab.compress.calibration import Calibration, calibrate
+from tests.compress.test_calibration import _compose
+from tests.conftest import build_tiny, random_batch, word_text
+
+
+def _args(tmp_path):
+    text = word_text(tmp_path / "wiki.train.txt", 30)
+    return ["model=tiny_mixtral", f"compress.calibration.dataset.path={text}", "compress.calibration.num_sequences=5",
+            "compress.calibration.seq_len=16", "compress.calibration.batch_size=2"]
+
+
+def test_a_truncated_partial_of_the_run_is_deleted_and_the_calibration_restarts(tmp_path, caplog):
+    """Oracle: the same calibration into a fresh directory."""
+    from moe_lab.tasks import run_task
+
+    whole = Calibration.load(run_task(_compose(tmp_path / "whole", *_args(tmp_path)))["calibration"])
+    run = tmp_path / "run"
+    run.mkdir()
+    whole.save(run / "calibration.partial.safetensors")
+    data = (run / "calibration.partial.safetensors").read_bytes()
+    (run / "calibration.partial.safetensors").write_bytes(data[: len(data) // 2])  # the kill's leftover
+    with caplog.at_level(logging.WARNING, logger="moe_lab.compress.calibrate_run"):
+        again = Calibration.load(run_task(_compose(run, *_args(tmp_path)))["calibration"])
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.compress.calibrate_run"]
+    assert f"{run / 'calibration.partial.safetensors'} is truncated or corrupted" in line
+    assert "deleted, the calibration restarts from the first batch" in line
+    assert again.manifest == whole.manifest
+    assert all(torch.equal(again.layers[i][k], v) for i, st in whole.layers.items() for k, v in st.items())
+
+
+def test_a_truncated_partial_given_by_resume_from_is_refused_saying_to_delete_it(tmp_path):
+    model = build_tiny("gpt_oss")
+    partial = tmp_path / "partial.safetensors"
+    calibrate(model, [random_batch(seed=s) for s in range(2)], data_source="unit").save(partial)
+    partial.write_bytes(partial.read_bytes()[:100])
+    with pytest.raises(ValueError) as err:
+        calibrate(model, [random_batch(seed=s) for s in range(2)], resume_from=partial)
+    msg = str(err.value)
+    assert f"compress.calibration.resume_from={partial}: the file is truncated or corrupted" in msg
+    assert f"It cannot be continued: delete {partial} and drop compress.calibration.resume_from" in msg
+    assert "resume_from=" + str(partial) + " " not in msg.split("It cannot")[1]  # not offered again
+
+
+def test_a_partial_of_another_model_says_whose_it_is_and_the_fix(tmp_path):
+    """Before: 'recalibrate this model with task=calibrate', the command just run, and no owner."""
+    partial = tmp_path / "partial.safetensors"
+    calibrate(build_tiny("gpt_oss"), [random_batch()], data_source="unit",
+              manifest_extra={"model_config": "tiny_gpt_oss"}).save(partial)
+    with pytest.raises(ValueError) as err:
+        calibrate(build_tiny("qwen3_moe"), [random_batch()], resume_from=partial, data_source="unit")
+    msg = str(err.value)
+    assert f"the partial calibration {partial} (it belongs to model tiny_gpt_oss) is for" in msg
+    assert f"continue it with model=tiny_gpt_oss, or delete {partial}" in msg and "task=calibrate" not in msg
