@@ -44,7 +44,8 @@ def output_dirs() -> dict[str, str]:
             found[_first_part(default)] = f"{script.relative_to(ROOT)} $OUT"
     for doc in DOCS:
         for folder in re.findall(r"--out (\S+)", doc.read_text()):
-            if not Path(folder).suffix:  # a folder (a file name such as items.jsonl is the user's own)
+            # a folder (a file name such as items.jsonl, or a placeholder such as <dir>, is the user's own)
+            if not Path(folder).suffix and not folder.startswith("<"):
                 found[_first_part(folder)] = f"--out in {doc.relative_to(ROOT)}"
     return found
 
