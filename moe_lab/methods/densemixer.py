@@ -21,7 +21,9 @@ of :func:`dense_weights` (equal to the conventional top-k weights on the selecte
 
 In every variant expert parameters get exactly the conventional gradients and shared experts are untouched.
 Inactive experts run without autograd (in the backward pass for the straight-through variants, in the
-forward pass for the ablation), in token chunks sized to a memory budget.
+forward pass for the ablation), in token chunks sized to a memory budget: per chunk every (token, inactive
+expert) pair, sorted by expert, goes through one grouped matmul per projection (no per-expert loop, no host sync),
+so they cost the FLOP floor N (E - k) expert forwards per layer.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ..moe.block import MoEBlock, sparse_mixture
-from ..moe.experts import expert_forward, expert_intermediate_size
+from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
 from ..moe.support import refuse_undefined
@@ -73,14 +75,30 @@ FORWARDS = ("sparse", "dense")
 VARIANTS = {("sparse", "straight_through"), ("sparse", "paper_eq15"), ("dense", "conventional")}
 
 
+def inactive_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, E - k] ids of the experts outside each token's top-k ``indices`` [N, k] (distinct ids), ascending: a sort
+    of the selection mask, so no host sync."""
+    selected = torch.zeros(indices.shape[0], num_experts, dtype=torch.uint8, device=indices.device)
+    selected.scatter_(1, indices, 1)
+    return torch.sort(selected, dim=1, stable=True).indices[:, :num_experts - indices.shape[1]]
+
+
 def _inactive_expert_outputs(view, x: torch.Tensor, inactive: torch.Tensor, chunk_tokens: int, visit) -> None:
-    """Run every expert on the tokens where it is inactive, without autograd, in chunks of at most
-    ``chunk_tokens`` tokens; ``visit(e, token ids, outputs)`` consumes each chunk."""
+    """Every (token, inactive expert) pair's output without autograd, in chunks of at most ``chunk_tokens`` tokens:
+    per chunk the pairs are sorted by expert and run as one grouped matmul per projection.
+    ``visit(start, outputs [T, E - k, H])`` consumes each chunk of tokens ``start .. start + T``, with the experts in
+    ``inactive``'s [N, E - k] order."""
+    if inactive.shape[1] == 0:
+        return
+    others = inactive.shape[1]
     with torch.no_grad(), parametrize.cached():
-        for e in range(inactive.shape[1]):
-            tokens = inactive[:, e].nonzero().squeeze(-1)
-            for chunk in tokens.split(chunk_tokens):
-                visit(e, chunk, expert_forward(view, e, x[chunk]))
+        for start in range(0, x.shape[0], chunk_tokens):
+            ids = inactive[start:start + chunk_tokens]
+            expert_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+            counts = torch.zeros(view.num_experts, dtype=torch.int32, device=ids.device)
+            counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=torch.int32))
+            out = grouped_expert_forward(view, x[start + perm // others], expert_ids, counts.cumsum(0, dtype=torch.int32))
+            visit(start, out.new_empty(out.shape).index_copy_(0, perm, out).view(*ids.shape, -1))
 
 
 class _InactiveExperts(torch.autograd.Function):
@@ -95,10 +113,11 @@ class _InactiveExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, inactive = ctx.saved_tensors
-        grad_w = torch.zeros(inactive.shape, dtype=torch.float32, device=x.device)
+        grad_w = torch.zeros(x.shape[0], ctx.view.num_experts, dtype=torch.float32, device=x.device)
 
-        def visit(e, chunk, out):
-            grad_w[chunk, e] = (grad_out[chunk].float() * out.float()).sum(-1)
+        def visit(start, out):
+            rows = slice(start, start + out.shape[0])
+            grad_w[rows].scatter_(1, inactive[rows], (grad_out[rows, None].float() * out.float()).sum(-1))
 
         _inactive_expert_outputs(ctx.view, x, inactive, ctx.chunk_tokens, visit)
         return grad_w, None, None, None, None
@@ -125,10 +144,10 @@ class DenseMixerMixture:
             weights = weights + weights.detach() * (weights - weights.detach())
         out = sparse_mixture(block, x, logits, weights, indices)
         dense = dense_weights(view.rule, logits, indices)
-        inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
-        straight = dense.masked_fill(~inactive, 0.0)
+        straight = dense.scatter(1, indices, 0.0)
         if self.gradient == "paper_eq15":
             straight = straight * dense.detach()  # dL/dw_j = w_j <g, E_j(x)> off the top-k
+        inactive = inactive_experts(indices, view.num_experts)
         straight = _InactiveExperts.apply(straight, x.detach(), inactive, view, self.chunk_tokens)
         return out + straight.to(out.dtype)
 
@@ -138,11 +157,13 @@ class DenseMixerMixture:
             return out
         with torch.no_grad():
             dense = dense_weights(view.rule, logits, indices)
-            inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
+            inactive = inactive_experts(indices, view.num_experts)
             extra = torch.zeros_like(out)
 
-            def visit(e, chunk, expert_out):
-                extra[chunk] += (dense[chunk, e, None] * expert_out).to(extra.dtype)  # a chunk's tokens are distinct
+            def visit(start, expert_out):
+                rows = slice(start, start + expert_out.shape[0])
+                weights = dense[rows].gather(1, inactive[rows])
+                extra[rows] = (weights[..., None] * expert_out).sum(1).to(extra.dtype)
 
             _inactive_expert_outputs(view, x.detach(), inactive, self.chunk_tokens, visit)
         return out + extra
@@ -156,7 +177,8 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
     ``gradient``/``forward``: the variant (module docstring): ``straight_through`` (default) or
     ``paper_eq15`` with ``forward="sparse"``; ``forward="dense", gradient="conventional"`` is the paper's
     ablation. ``memory_budget_mb`` bounds the activations of one inactive-expert chunk (tokens per chunk =
-    budget / bytes of one token's expert activations).
+    budget / bytes of one token's E - k inactive (token, expert) pairs: input, gate_up, intermediate, output and
+    upstream gradient rows, 3 I + 3 H elements each).
     """
     if memory_budget_mb <= 0:
         raise ValueError(f"method.options.memory_budget_mb must be > 0, got {memory_budget_mb}")
@@ -171,6 +193,6 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
                          f"variant ({fix}); variants (forward, gradient): {sorted(VARIANTS)}")
     for view, block in zip(patch.views, patch.layers):
         refuse_undefined("densemixer", view.spec, view.rule)
-        width = 3 * expert_intermediate_size(view) + 2 * view.config.hidden_size
-        per_token = width * view.down_proj.element_size()
+        width = 3 * expert_intermediate_size(view) + 3 * view.config.hidden_size
+        per_token = max(1, view.num_experts - view.top_k) * width * view.down_proj.element_size()
         block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)
