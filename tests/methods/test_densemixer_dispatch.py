@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,22 +34,24 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(base, method: str) -> collections.Counter:
+def _step_ops(base, method: str, **options) -> collections.Counter:
     model = copy.deepcopy(base)
-    moe_lab.apply(model, method)
+    moe_lab.apply(model, method, **options)
     ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     with OpCounter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     return counter.ops
 
 
-def test_densemixer_dispatches_few_ops_and_no_host_sync_per_expert():
+@pytest.mark.parametrize("options", [{}, {"forward": "dense", "gradient": "conventional"}], ids=["ste", "ablation"])
+def test_densemixer_dispatches_few_ops_and_no_host_sync_per_expert(options):
     """One forward + backward of a tiny OLMoE with 64 experts, top-8 (2 MoE layers, every token in one chunk):
-    DenseMixer dispatches at most 2.5 x sft's ops, and at most 2 host-syncing ops per MoE layer (the per-expert
-    loop it replaces dispatched 4.6 x sft's ops, with a nonzero per expert and layer)."""
+    DenseMixer (straight-through, and the dense-forward ablation) dispatches at most 2.5 x sft's ops, and at most
+    2 host-syncing ops per MoE layer (the per-expert loop it replaces dispatched 4.6 x sft's ops, with a nonzero
+    per expert and layer)."""
     base = build_tiny("olmoe", num_experts=64, num_experts_per_tok=8).train()
     layers = base.config.num_hidden_layers
-    sft, dm = _step_ops(base, "sft"), _step_ops(base, "densemixer")
+    sft, dm = _step_ops(base, "sft"), _step_ops(base, "densemixer", **options)
     assert sum(sft.values()) > 100, sft  # the counter sees the model's ops
     syncs = {name: n for name, n in dm.items() if name in HOST_SYNCING}
     assert sum(syncs.values()) <= 2 * layers, syncs
