@@ -83,43 +83,45 @@ def inactive_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.sort(selected, dim=1, stable=True).indices[:, :num_experts - indices.shape[1]]
 
 
-def _inactive_expert_outputs(view, x: torch.Tensor, inactive: torch.Tensor, chunk_tokens: int, visit) -> None:
-    """Every (token, inactive expert) pair's output without autograd, in chunks of at most ``chunk_tokens`` tokens:
-    per chunk the pairs are sorted by expert and run as one grouped matmul per projection.
-    ``visit(start, outputs [T, E - k, H])`` consumes each chunk of tokens ``start .. start + T``, with the experts in
-    ``inactive``'s [N, E - k] order."""
-    if inactive.shape[1] == 0:
+def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk_tokens: int, visit) -> None:
+    """Every (token, expert outside the token's top-k ``indices``) pair's output without autograd, in chunks of at
+    most ``chunk_tokens`` tokens: per chunk the pairs are sorted by expert and run as one grouped matmul per
+    projection. ``visit(rows, ids [T, E - k], outputs [T, E - k, H])`` consumes each chunk: its tokens ``rows`` (a
+    slice), their inactive experts (:func:`inactive_experts`) and those experts' outputs in the same order."""
+    others = view.num_experts - indices.shape[1]
+    if others == 0:
         return
-    others = inactive.shape[1]
     with torch.no_grad(), parametrize.cached():
         for start in range(0, x.shape[0], chunk_tokens):
-            ids = inactive[start:start + chunk_tokens]
-            expert_ids, perm = torch.sort(ids.reshape(-1), stable=True)
-            counts = torch.zeros(view.num_experts, dtype=torch.int32, device=ids.device)
-            counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=torch.int32))
-            out = grouped_expert_forward(view, x[start + perm // others], expert_ids, counts.cumsum(0, dtype=torch.int32))
-            visit(start, out.new_empty(out.shape).index_copy_(0, perm, out).view(*ids.shape, -1))
+            rows = slice(start, start + chunk_tokens)
+            ids = inactive_experts(indices[rows], view.num_experts)
+            flat = ids.reshape(-1)
+            expert_ids, perm = torch.sort(flat, stable=True)
+            counts = torch.zeros(view.num_experts, dtype=torch.int32, device=flat.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount without a host sync
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            out = grouped_expert_forward(view, x[rows][perm // others], expert_ids, offsets)
+            visit(rows, ids, out.new_empty(out.shape).index_copy_(0, perm, out).view(*ids.shape, -1))
 
 
 class _InactiveExperts(torch.autograd.Function):
     """Zero-valued output whose backward gives each inactive weight ``<dL/dy, E_e(x)>``."""
 
     @staticmethod
-    def forward(ctx, weights, x, inactive, view, chunk_tokens):
-        ctx.save_for_backward(x, inactive)
+    def forward(ctx, weights, x, indices, view, chunk_tokens):
+        ctx.save_for_backward(x, indices)
         ctx.view, ctx.chunk_tokens = view, chunk_tokens
         return x.new_zeros(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, inactive = ctx.saved_tensors
+        x, indices = ctx.saved_tensors
         grad_w = torch.zeros(x.shape[0], ctx.view.num_experts, dtype=torch.float32, device=x.device)
 
-        def visit(start, out):
-            rows = slice(start, start + out.shape[0])
-            grad_w[rows].scatter_(1, inactive[rows], (grad_out[rows, None].float() * out.float()).sum(-1))
+        def visit(rows, ids, out):
+            grad_w[rows].scatter_(1, ids, (grad_out[rows, None].float() * out.float()).sum(-1))
 
-        _inactive_expert_outputs(ctx.view, x, inactive, ctx.chunk_tokens, visit)
+        _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
         return grad_w, None, None, None, None
 
 
@@ -147,8 +149,7 @@ class DenseMixerMixture:
         straight = dense.scatter(1, indices, 0.0)
         if self.gradient == "paper_eq15":
             straight = straight * dense.detach()  # dL/dw_j = w_j <g, E_j(x)> off the top-k
-        inactive = inactive_experts(indices, view.num_experts)
-        straight = _InactiveExperts.apply(straight, x.detach(), inactive, view, self.chunk_tokens)
+        straight = _InactiveExperts.apply(straight, x.detach(), indices, view, self.chunk_tokens)
         return out + straight.to(out.dtype)
 
     def _dense_forward(self, block, view, x, logits, weights, indices):
@@ -157,15 +158,12 @@ class DenseMixerMixture:
             return out
         with torch.no_grad():
             dense = dense_weights(view.rule, logits, indices)
-            inactive = inactive_experts(indices, view.num_experts)
             extra = torch.zeros_like(out)
 
-            def visit(start, expert_out):
-                rows = slice(start, start + expert_out.shape[0])
-                weights = dense[rows].gather(1, inactive[rows])
-                extra[rows] = (weights[..., None] * expert_out).sum(1).to(extra.dtype)
+            def visit(rows, ids, expert_out):
+                extra[rows] = (dense[rows].gather(1, ids)[..., None] * expert_out).sum(1).to(extra.dtype)
 
-            _inactive_expert_outputs(view, x.detach(), inactive, self.chunk_tokens, visit)
+            _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit)
         return out + extra
 
 
