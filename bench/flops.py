@@ -32,7 +32,7 @@ more S x S product, A / 4 per token and layer).
 
     python bench/flops.py [--layers 1] [--tokens 128] [--threads 2] [--methods sft,densemixer,...]
 
-About 2.5 minutes and 4.5 GiB on 2 CPU threads with the defaults (most of it building each method's 1.7B-parameter
+About 2 minutes and 5 GiB on 2 CPU threads with the defaults (most of it building each method's 1.7B-parameter
 one-layer model and its first gradients); ``--layers 2`` doubles both (then esft's later-layer terms show too).
 """
 

@@ -86,22 +86,22 @@ def inactive_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk_tokens: int, visit) -> None:
     """Every (token, expert outside the token's top-k ``indices``) pair's output without autograd, in chunks of at
     most ``chunk_tokens`` tokens: per chunk the pairs are sorted by expert and run as one grouped matmul per
-    projection. ``visit(rows, ids [T, E - k], outputs [T, E - k, H])`` consumes each chunk: its tokens ``rows`` (a
-    slice), their inactive experts (:func:`inactive_experts`) and those experts' outputs in the same order."""
+    projection. ``visit(rows, tokens, experts, order, outputs)`` consumes each chunk of tokens ``rows`` (a slice):
+    the pairs' tokens (chunk-relative) and experts [S], each pair's position ``order`` [S] in the chunk's
+    token-major [T, E - k] pair table (:func:`inactive_experts`) and the outputs [S, H], all in expert order."""
     others = view.num_experts - indices.shape[1]
     if others == 0:
         return
     with torch.no_grad(), parametrize.cached():
         for start in range(0, x.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            ids = inactive_experts(indices[rows], view.num_experts)
-            flat = ids.reshape(-1)
-            expert_ids, perm = torch.sort(flat, stable=True)
+            flat = inactive_experts(indices[rows], view.num_experts).reshape(-1)
+            experts, order = torch.sort(flat, stable=True)
             counts = torch.zeros(view.num_experts, dtype=torch.int32, device=flat.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount without a host sync
-            offsets = counts.cumsum(0, dtype=torch.int32)
-            out = grouped_expert_forward(view, x[rows][perm // others], expert_ids, offsets)
-            visit(rows, ids, out.new_empty(out.shape).index_copy_(0, perm, out).view(*ids.shape, -1))
+            tokens = order // others
+            out = grouped_expert_forward(view, x[rows][tokens], experts, counts.cumsum(0, dtype=torch.int32))
+            visit(rows, tokens, experts, order, out)
 
 
 class _InactiveExperts(torch.autograd.Function):
@@ -118,8 +118,8 @@ class _InactiveExperts(torch.autograd.Function):
         x, indices = ctx.saved_tensors
         grad_w = torch.zeros(x.shape[0], ctx.view.num_experts, dtype=torch.float32, device=x.device)
 
-        def visit(rows, ids, out):
-            grad_w[rows].scatter_(1, ids, (grad_out[rows, None].float() * out.float()).sum(-1))
+        def visit(rows, tokens, experts, order, out):
+            grad_w[rows].index_put_((tokens, experts), (grad_out[rows][tokens].float() * out.float()).sum(-1))
 
         _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
         return grad_w, None, None, None, None
@@ -160,8 +160,10 @@ class DenseMixerMixture:
             dense = dense_weights(view.rule, logits, indices)
             extra = torch.zeros_like(out)
 
-            def visit(rows, ids, expert_out):
-                extra[rows] = (dense[rows].gather(1, ids)[..., None] * expert_out).sum(1).to(extra.dtype)
+            def visit(rows, tokens, experts, order, expert_out):  # summed per token in expert order (deterministic)
+                weighted = dense[rows][tokens, experts, None] * expert_out
+                pairs = weighted.new_empty(weighted.shape).index_copy_(0, order, weighted)
+                extra[rows] = pairs.view(-1, view.num_experts - indices.shape[1], pairs.shape[-1]).sum(1).to(extra.dtype)
 
             _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit)
         return out + extra
