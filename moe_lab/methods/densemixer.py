@@ -23,15 +23,18 @@ In every variant expert parameters get exactly the conventional gradients and sh
 Inactive experts run without autograd (in the backward pass for the straight-through variants, in the
 forward pass for the ablation), in token chunks sized to a memory budget: per chunk every (token, inactive
 expert) pair, sorted by expert, goes through one grouped matmul per projection (no per-expert loop, no host sync),
-so they cost the FLOP floor N (E - k) expert forwards per layer.
+so they cost the FLOP floor N (E - k) expert forwards per layer. Under autocast they run in the autocast dtype, as
+the block runs the selected experts (:func:`~moe_lab.moe.block.autocast_expert_weights`), in the backward too.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn.utils import parametrize
+import contextlib
 
-from ..moe.block import MoEBlock, sparse_mixture
+import torch
+from torch.nn.utils import parametrize, stateless
+
+from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture
 from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
@@ -111,6 +114,8 @@ class _InactiveExperts(torch.autograd.Function):
     def forward(ctx, weights, x, indices, view, chunk_tokens):
         ctx.save_for_backward(x, indices)
         ctx.view, ctx.chunk_tokens = view, chunk_tokens
+        device = x.device.type
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return x.new_zeros(x.shape)
 
     @staticmethod
@@ -121,7 +126,13 @@ class _InactiveExperts(torch.autograd.Function):
         def visit(rows, tokens, experts, order, out):
             grad_w[rows].index_put_((tokens, experts), (grad_out[rows][tokens].float() * out.float()).sum(-1))
 
-        _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
+        # the experts in the precision the forward ran them in: under autocast, the block's casts of the expert
+        # tensors (autocast is off in the backward pass, and HF's grouped matmuls would run the fp32 masters)
+        device, experts = x.device.type, ctx.view.experts
+        with torch.autocast(device, dtype=ctx.autocast, enabled=ctx.autocast is not None):
+            cast = autocast_expert_weights(experts, device)
+            with stateless._reparametrize_module(experts, cast) if cast else contextlib.nullcontext():
+                _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
         return grad_w, None, None, None, None
 
 

@@ -57,3 +57,39 @@ def test_densemixer_dispatches_few_ops_and_no_host_sync_per_expert(options):
     assert sum(syncs.values()) <= 2 * layers, syncs
     ratio = sum(dm.values()) / sum(sft.values())
     assert ratio <= 2.5, (ratio, (dm - sft).most_common(10))
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Counts matrix products by (op, operand dtypes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm"):
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+            self.seen[(name, *(str(a.dtype).removeprefix("torch.") for a in operands))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_inactive_experts_run_in_the_autocast_dtype():
+    """Under bf16 autocast with fp32 master weights the block runs the experts in bf16 (moe.block casts the expert
+    tensors); the backward's inactive-expert pass must too (autocast is off in a backward pass: without the cast
+    it ran fp32 GEMMs, E - k of them per token, beside sft's bf16 ones). Every matmul DenseMixer's backward adds
+    to sft's is a bf16 grouped matmul."""
+    base = build_tiny("olmoe").train()
+    ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for method in ("sft", "densemixer"):
+        model = copy.deepcopy(base)
+        moe_lab.apply(model, method)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        with MatmulDtypes() as counter:
+            loss.backward()
+        seen[method] = counter.seen
+    extra = seen["densemixer"] - seen["sft"]
+    assert extra and set(extra) == {("_grouped_mm", "bfloat16", "bfloat16")}, extra
+    assert not seen["sft"] - seen["densemixer"]
