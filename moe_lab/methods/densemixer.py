@@ -21,16 +21,21 @@ of :func:`dense_weights` (equal to the conventional top-k weights on the selecte
 
 In every variant expert parameters get exactly the conventional gradients and shared experts are untouched.
 Inactive experts run without autograd (in the backward pass for the straight-through variants, in the
-forward pass for the ablation), in token chunks sized to a memory budget.
+forward pass for the ablation), in token chunks sized to a memory budget: per chunk every (token, inactive
+expert) pair, sorted by expert, goes through one grouped matmul per projection (no per-expert loop, no host sync),
+so they cost the FLOP floor N (E - k) expert forwards per layer. Under autocast they run in the autocast dtype, as
+the block runs the selected experts (:func:`~moe_lab.moe.block.autocast_expert_weights`), in the backward too.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn.utils import parametrize
+import contextlib
 
-from ..moe.block import MoEBlock, sparse_mixture
-from ..moe.experts import expert_forward, expert_intermediate_size
+import torch
+from torch.nn.utils import parametrize, stateless
+
+from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture
+from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
 from ..moe.support import refuse_undefined
@@ -73,34 +78,61 @@ FORWARDS = ("sparse", "dense")
 VARIANTS = {("sparse", "straight_through"), ("sparse", "paper_eq15"), ("dense", "conventional")}
 
 
-def _inactive_expert_outputs(view, x: torch.Tensor, inactive: torch.Tensor, chunk_tokens: int, visit) -> None:
-    """Run every expert on the tokens where it is inactive, without autograd, in chunks of at most
-    ``chunk_tokens`` tokens; ``visit(e, token ids, outputs)`` consumes each chunk."""
+def inactive_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, E - k] ids of the experts outside each token's top-k ``indices`` [N, k] (distinct ids), ascending: a sort
+    of the selection mask, so no host sync."""
+    selected = torch.zeros(indices.shape[0], num_experts, dtype=torch.uint8, device=indices.device)
+    selected.scatter_(1, indices, 1)
+    return torch.sort(selected, dim=1, stable=True).indices[:, :num_experts - indices.shape[1]]
+
+
+def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk_tokens: int, visit) -> None:
+    """Every (token, expert outside the token's top-k ``indices``) pair's output without autograd, in chunks of at
+    most ``chunk_tokens`` tokens: per chunk the pairs are sorted by expert and run as one grouped matmul per
+    projection. ``visit(rows, tokens, experts, order, outputs)`` consumes each chunk of tokens ``rows`` (a slice):
+    the pairs' tokens (chunk-relative) and experts [S], each pair's position ``order`` [S] in the chunk's
+    token-major [T, E - k] pair table (:func:`inactive_experts`) and the outputs [S, H], all in expert order."""
+    others = view.num_experts - indices.shape[1]
+    if others == 0:
+        return
     with torch.no_grad(), parametrize.cached():
-        for e in range(inactive.shape[1]):
-            tokens = inactive[:, e].nonzero().squeeze(-1)
-            for chunk in tokens.split(chunk_tokens):
-                visit(e, chunk, expert_forward(view, e, x[chunk]))
+        for start in range(0, x.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            flat = inactive_experts(indices[rows], view.num_experts).reshape(-1)
+            experts, order = torch.sort(flat, stable=True)
+            counts = torch.zeros(view.num_experts, dtype=torch.int32, device=flat.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount without a host sync
+            tokens = order // others
+            out = grouped_expert_forward(view, x[rows][tokens], experts, counts.cumsum(0, dtype=torch.int32))
+            visit(rows, tokens, experts, order, out)
 
 
 class _InactiveExperts(torch.autograd.Function):
     """Zero-valued output whose backward gives each inactive weight ``<dL/dy, E_e(x)>``."""
 
     @staticmethod
-    def forward(ctx, weights, x, inactive, view, chunk_tokens):
-        ctx.save_for_backward(x, inactive)
+    def forward(ctx, weights, x, indices, view, chunk_tokens):
+        ctx.save_for_backward(x, indices)
         ctx.view, ctx.chunk_tokens = view, chunk_tokens
+        device = x.device.type
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return x.new_zeros(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, inactive = ctx.saved_tensors
-        grad_w = torch.zeros(inactive.shape, dtype=torch.float32, device=x.device)
+        x, indices = ctx.saved_tensors
+        grad_w = torch.zeros(x.shape[0], ctx.view.num_experts, dtype=torch.float32, device=x.device)
 
-        def visit(e, chunk, out):
-            grad_w[chunk, e] = (grad_out[chunk].float() * out.float()).sum(-1)
+        def visit(rows, tokens, experts, order, out):
+            grad_w[rows].index_put_((tokens, experts), (grad_out[rows][tokens].float() * out.float()).sum(-1))
 
-        _inactive_expert_outputs(ctx.view, x, inactive, ctx.chunk_tokens, visit)
+        # the experts in the precision the forward ran them in: under autocast, the block's casts of the expert
+        # tensors (autocast is off in the backward pass, and HF's grouped matmuls would run the fp32 masters)
+        device, experts = x.device.type, ctx.view.experts
+        with torch.autocast(device, dtype=ctx.autocast, enabled=ctx.autocast is not None):
+            cast = autocast_expert_weights(experts, device)
+            with stateless._reparametrize_module(experts, cast) if cast else contextlib.nullcontext():
+                _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
         return grad_w, None, None, None, None
 
 
@@ -125,11 +157,10 @@ class DenseMixerMixture:
             weights = weights + weights.detach() * (weights - weights.detach())
         out = sparse_mixture(block, x, logits, weights, indices)
         dense = dense_weights(view.rule, logits, indices)
-        inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
-        straight = dense.masked_fill(~inactive, 0.0)
+        straight = dense.scatter(1, indices, 0.0)
         if self.gradient == "paper_eq15":
             straight = straight * dense.detach()  # dL/dw_j = w_j <g, E_j(x)> off the top-k
-        straight = _InactiveExperts.apply(straight, x.detach(), inactive, view, self.chunk_tokens)
+        straight = _InactiveExperts.apply(straight, x.detach(), indices, view, self.chunk_tokens)
         return out + straight.to(out.dtype)
 
     def _dense_forward(self, block, view, x, logits, weights, indices):
@@ -138,13 +169,14 @@ class DenseMixerMixture:
             return out
         with torch.no_grad():
             dense = dense_weights(view.rule, logits, indices)
-            inactive = torch.ones_like(dense, dtype=torch.bool).scatter_(1, indices, False)
             extra = torch.zeros_like(out)
 
-            def visit(e, chunk, expert_out):
-                extra[chunk] += (dense[chunk, e, None] * expert_out).to(extra.dtype)  # a chunk's tokens are distinct
+            def visit(rows, tokens, experts, order, expert_out):  # summed per token in expert order (deterministic)
+                weighted = dense[rows][tokens, experts, None] * expert_out
+                pairs = weighted.new_empty(weighted.shape).index_copy_(0, order, weighted)
+                extra[rows] = pairs.view(-1, view.num_experts - indices.shape[1], pairs.shape[-1]).sum(1).to(extra.dtype)
 
-            _inactive_expert_outputs(view, x.detach(), inactive, self.chunk_tokens, visit)
+            _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit)
         return out + extra
 
 
@@ -156,7 +188,8 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
     ``gradient``/``forward``: the variant (module docstring): ``straight_through`` (default) or
     ``paper_eq15`` with ``forward="sparse"``; ``forward="dense", gradient="conventional"`` is the paper's
     ablation. ``memory_budget_mb`` bounds the activations of one inactive-expert chunk (tokens per chunk =
-    budget / bytes of one token's expert activations).
+    budget / bytes of one token's E - k inactive (token, expert) pairs: input, gate_up, intermediate, output and
+    upstream gradient rows, 3 I + 3 H elements each).
     """
     if memory_budget_mb <= 0:
         raise ValueError(f"method.options.memory_budget_mb must be > 0, got {memory_budget_mb}")
@@ -171,6 +204,6 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
                          f"variant ({fix}); variants (forward, gradient): {sorted(VARIANTS)}")
     for view, block in zip(patch.views, patch.layers):
         refuse_undefined("densemixer", view.spec, view.rule)
-        width = 3 * expert_intermediate_size(view) + 2 * view.config.hidden_size
-        per_token = width * view.down_proj.element_size()
+        width = 3 * expert_intermediate_size(view) + 3 * view.config.hidden_size
+        per_token = max(1, view.num_experts - view.top_k) * width * view.down_proj.element_size()
         block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.moe import _grouped_linear
 
 from .view import MoELayerView
 
@@ -18,13 +19,34 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
     gate_up = layout.project(x, experts.gate_up_proj[expert])
     if layout.biases:
         gate_up = gate_up + experts.gate_up_proj_bias[expert]
-    if view.spec.expert_act == "apply_gate":
-        hidden = experts._apply_gate(gate_up)
-    else:
-        gate, up = layout.split(gate_up)
-        hidden = layout.activation(experts)(gate) * up
-    out = layout.project(hidden, experts.down_proj[expert])
+    out = layout.project(_packed_glu(view, gate_up), experts.down_proj[expert])
     return out + experts.down_proj_bias[expert] if layout.biases else out
+
+
+def grouped_expert_forward(view: MoELayerView, x: torch.Tensor, expert_ids: torch.Tensor,
+                           offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_forward` of many experts at once: row r of ``x`` [S, H] through expert ``expert_ids[r]``, the
+    rows sorted by expert, ``offsets`` [E] int32 the cumulative row counts per expert. One grouped matmul per
+    projection over the whole [E, ...] tensors (HF's ``grouped_mm`` dispatch), no per-expert loop or host sync."""
+    experts, layout = view.experts, view.layout
+    if not layout.packed:  # rows of 2-D tensors (DBRX), as [E, I, H] / [E, H, I] role views
+        gate, up, down = view.roles()
+        hidden = layout.activation(experts)(_grouped_linear(x, gate, offsets)) * _grouped_linear(x, up, offsets)
+        return _grouped_linear(hidden, down, offsets)
+    bias = experts.gate_up_proj_bias[expert_ids] if layout.biases else None
+    gate_up = _grouped_linear(x, experts.gate_up_proj, offsets, bias=bias, is_transposed=layout.transposed)
+    bias = experts.down_proj_bias[expert_ids] if layout.biases else None
+    return _grouped_linear(_packed_glu(view, gate_up), experts.down_proj, offsets, bias=bias,
+                           is_transposed=layout.transposed)
+
+
+def _packed_glu(view: MoELayerView, gate_up: torch.Tensor) -> torch.Tensor:
+    """A packed expert's intermediate activation [n, I] from its gate_up projection [n, 2I]: the experts' own
+    ``_apply_gate`` where the registry says so (clamped GLUs), else act(gate) * up in the layout's split."""
+    if view.spec.expert_act == "apply_gate":
+        return view.experts._apply_gate(gate_up)
+    gate, up = view.layout.split(gate_up)
+    return view.layout.activation(view.experts)(gate) * up
 
 
 def _row_block_hidden(act, gate: torch.Tensor, up: torch.Tensor, gate_in: torch.Tensor,
