@@ -139,7 +139,6 @@ class _InactiveExperts(torch.autograd.Function):
 class DenseMixerMixture:
     """``MoEBlock.mixer`` of DenseMixer (the variants of the module docstring)."""
 
-    runs_inactive_experts = True  # refused under ZeRO-3 / FSDP (moe_lab.runtime.strategies), which shard the experts
 
     def __init__(self, chunk_tokens: int, gradient: str = "straight_through", forward: str = "sparse"):
         self.chunk_tokens = chunk_tokens
