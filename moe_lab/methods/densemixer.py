@@ -139,7 +139,6 @@ class _InactiveExperts(torch.autograd.Function):
 class DenseMixerMixture:
     """``MoEBlock.mixer`` of DenseMixer (the variants of the module docstring)."""
 
-
     def __init__(self, chunk_tokens: int, gradient: str = "straight_through", forward: str = "sparse"):
         self.chunk_tokens = chunk_tokens
         self.gradient = gradient
