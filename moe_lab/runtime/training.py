@@ -42,6 +42,7 @@ from .resume import (
     resume_checkpoint,
     run_record,
 )
+from .refusals import refuse_before_first_step
 from .run_lock import RunLock
 from .stop_signal import RunInterrupted
 from .strategies import config_strategy_kind, gather_full_weights, prepare
@@ -108,6 +109,7 @@ def _finetune(cfg: DictConfig) -> dict:
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
+    refuse_before_first_step(cfg, module)  # what plan=true refuses too, from the same function
     if ckpt is not None:
         check_matches(ckpt, ckpt_path, module, f"{cfg.model.name} / {cfg.method.name}", field)
         check_trainable(ckpt, ckpt_path, module, cfg, field, recorded)
