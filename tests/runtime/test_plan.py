@@ -24,7 +24,7 @@ from moe_lab.data.resumable import ResumableSampler
 from moe_lab.runtime import memory_fit
 from moe_lab.runtime.plan import optimizer_steps, schedule_points
 from moe_lab.runtime.preflight import check_length, preflight
-from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
+from tests.presets import CONF, compose_preset, data_overrides, preset_rows, real_model_presets
 
 #: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE
 #: architectures only, so plan=true refuses them naming the missing MoE field; not planned here (issue 18's D2D
@@ -242,6 +242,22 @@ def test_every_real_model_preset_plans_offline(preset, tmp_path, capsys):
         assert summary["length"]["optimizer_steps"] >= 1 and summary["world_size"] == 8
         assert 0 < summary["memory"]["gpu_gb"] <= 80 == summary["memory"]["device_gb"]
         assert all(where for _, where in summary["eval"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_row_of_every_preset_plans_on_the_papers_node(preset, tmp_path, capsys):
+    """Each job of ``python run.py -m experiment=<preset>`` (one per row of the paper's table: the preset's
+    hydra.sweeper.params) is planned: none is refused, and a training row's hardware fits 8 x 80 GiB by moe-lab's
+    estimate, which the plan names."""
+    for i, row in enumerate(preset_rows(preset)):
+        summary = _plan(preset, tmp_path / str(i), *row, n=16)
+        out = capsys.readouterr().out
+        assert "DOES NOT FIT" not in out, (preset, row)
+        if "length" in summary:
+            memory = summary["memory"]
+            assert summary["world_size"] == 8 and 0 < memory["gpu_gb"] <= 80 == memory["device_gb"], (preset, row)
+            assert f"hardware={memory['hardware']}" in out and "fits" in out, (preset, row)
 
 
 @pytest.mark.slow
