@@ -29,6 +29,7 @@ from .checkpoint_io import (
     read_checkpoint,
 )
 from .precision import export_in_load_dtype
+from .refusals import refuse_before_first_step
 from .resume import (
     History,
     LastStepCheckpoint,
@@ -42,7 +43,6 @@ from .resume import (
     resume_checkpoint,
     run_record,
 )
-from .refusals import refuse_before_first_step
 from .run_lock import RunLock
 from .stop_signal import RunInterrupted
 from .strategies import config_strategy_kind, gather_full_weights, prepare
