@@ -22,8 +22,10 @@ def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | N
     config's numbers, the method under the hardware's strategy and precision, FSDP's clipping, a method that
     cannot train, and (given the run's ``optimizer_steps``) a schedule or condenser choice the run's length
     cannot honour. The run passes no ``optimizer_steps`` (its trainer counts them at fit start, and the method
-    refuses through the same functions there); the plan passes the steps it counted."""
-    check_numbers(cfg)
+    refuses through the same functions there); the plan passes the steps it counted. The numbers are checked for
+    task=finetune (as the preflight does; a multi-stage task's stages set their own)."""
+    if cfg.task.name == "finetune":
+        check_numbers(cfg)
     kind = config_strategy_kind(cfg.hardware.trainer)
     refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
     if OmegaConf.select(cfg, "task.trainer.gradient_clip_val", default=None):
