@@ -310,6 +310,15 @@ def test_sweep_rows_label_each_job_like_reported_csv():
     assert {f"compressed_experts_k{k}" for k in ks} <= reported  # the paper's Table 1: k_main 1, 2, 4
 
 
+@pytest.mark.parametrize("row", [r for r in sorted(ROWS) if r.endswith("_sweep")])
+def test_sweep_rows_pin_their_method_over_the_presets_rows(row):
+    """A sweep row added to a preset that sweeps its table's methods runs its own method only (the sweeper's
+    params merge: without the pin, -m would run every method x every swept value)."""
+    preset = "compressed_experts/olmoe" if row.startswith("compressed") else "condenser/math_olmoe"
+    cfg = _compose(f"experiment={preset}", f"+experiment/row={row}")
+    assert cfg.hydra.sweeper.params["method"] == ROWS[row][0] == cfg.hydra.runtime.choices.method
+
+
 # sweep presets -> (the swept key, extra overrides, reported.csv table): their jobs are exactly the table's rows
 SWEEPS = {
     "condenser/gamma_qwen1_5": ("method.options.gamma", (), "Gamma sweep"),  # Table 13
