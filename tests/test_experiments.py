@@ -319,6 +319,14 @@ def test_sweep_rows_pin_their_method_over_the_presets_rows(row):
     assert cfg.hydra.sweeper.params["method"] == ROWS[row][0] == cfg.hydra.runtime.choices.method
 
 
+def test_evaluate_sweeps_its_checkpoints_not_the_presets_rows():
+    """Step 2 (`python run.py -m task=evaluate experiment=<preset> task.checkpoint=a,b`) runs one job per
+    checkpoint: the preset's table rows (its sweeper params) are the training jobs' only."""
+    for preset in ("condenser/math_olmoe", "densemixer/esft_olmoe", "condenser/ablation_m1_dsv2lite"):
+        assert _compose(f"experiment={preset}").hydra.sweeper.params
+        assert _compose(f"experiment={preset}", "task=evaluate").hydra.sweeper.params is None
+
+
 # sweep presets -> (the swept key, extra overrides, reported.csv table): their jobs are exactly the table's rows
 SWEEPS = {
     "condenser/gamma_qwen1_5": ("method.options.gamma", (), "Gamma sweep"),  # Table 13
