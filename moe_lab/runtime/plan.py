@@ -2,8 +2,8 @@
 weight is loaded (the architecture comes from ``model.architecture`` / the tiny config / a local config.json, on the
 meta device) and nothing trains. Printed and written to ``<run dir>/plan.json``:
 
-* the model's total and active parameters, with and without the input embedding (the papers quote active counts
-  without it);
+* the model's total and active parameters, each with and without the input embedding, and which one the papers
+  quote;
 * the training data after the split and the overflow filter (the data file is read and tokenized), its tokens,
   micro-batches per epoch, optimizer steps and epochs (:func:`optimizer_steps`, Lightning's own arithmetic);
 * warm-up and the schedule's key points, and when the method's own phases happen;
