@@ -9,6 +9,7 @@ text), so every dataset node of a preset (``dataset``, calibration, search and L
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import string
 from pathlib import Path
@@ -35,6 +36,22 @@ def real_model_presets() -> list[str]:
 def compose_preset(preset: str, *overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=[f"experiment={preset}", *overrides])
+
+
+def preset_rows(preset: str) -> list[tuple[str, ...]]:
+    """The overrides of each job ``python run.py -m experiment=<preset>`` runs: the cartesian product of the
+    preset's ``hydra.sweeper.params``, as Hydra's basic sweeper expands them (one empty row without them)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.get("params") or {}
+    dims = []
+    for o in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]):
+        key = o.get_key_element()
+        values = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
+        dims.append([f"{key}={v}" for v in values])
+    return list(itertools.product(*dims))
 
 
 def tiny_sibling(preset: str) -> str:

@@ -247,6 +247,12 @@ ROWS = {  # row file -> (method group, label, method knobs)
     "densemixer_lora_conventional": ("sft", "sft_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "densemixer_lora_frozen_router": ("frozen_router", "frozen_router_lora", {"lora.rank": 8, "lora.alpha": 16}),
     "densemixer_lora_densemixer": ("densemixer", "densemixer_lora", {"lora.rank": 8, "lora.alpha": 16}),
+    # DenseMixer Tables 7/8 full fine-tuning rows: the method alone
+    "densemixer_conventional": ("sft", "sft", {}),
+    "densemixer_frozen_router": ("frozen_router", "frozen_router", {}),
+    "densemixer_densemixer": ("densemixer", "densemixer", {}),
+    "densemixer_esft_gate": ("esft_gate", "esft_gate", {}),
+    "densemixer_esft_token": ("esft_token", "esft_token", {}),
     "compressed_experts_k_main_sweep": ("compressed_experts", "compressed_experts_kNone", {}),
     "sft_top_k_sweep": ("sft", "sft_top8", {}),
     "densemixer_dense_forward_conventional_gradient": ("densemixer", "densemixer_dense_conventional",
@@ -283,7 +289,8 @@ def test_row_methods_build_on_a_tiny_model(row):
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
     router = [p for n, p in module.named_parameters() if n.endswith("mlp.gate.weight")]
-    assert router and all(p.requires_grad == (ROWS[row][0] != "frozen_router") for p in router)
+    frozen = ROWS[row][0] == "frozen_router" or ROWS[row][0].startswith("esft")  # ESFT: only chosen experts train
+    assert router and all(p.requires_grad != frozen for p in router)
     if "lora" in row:
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
         assert any("lora" in n for n in trainable) and all("lora" in n or "gate.weight" in n for n in trainable)
@@ -308,6 +315,23 @@ def test_k_main_sweeps_run_table_1():
     reported = {(r["row"], r["train"]) for r in collect.load_reported("compressed_experts")
                 if r["table"] == "k_main sweep"}
     assert jobs == reported
+
+
+@pytest.mark.parametrize("row", [r for r in sorted(ROWS) if r.endswith("_sweep")])
+def test_sweep_rows_pin_their_method_over_the_presets_rows(row):
+    """A sweep row added to a preset that sweeps its table's methods runs its own method only (the sweeper's
+    params merge: without the pin, -m would run every method x every swept value)."""
+    preset = "compressed_experts/olmoe" if row.startswith("compressed") else "condenser/math_olmoe"
+    cfg = _compose(f"experiment={preset}", f"+experiment/row={row}")
+    assert cfg.hydra.sweeper.params["method"] == ROWS[row][0] == cfg.hydra.runtime.choices.method
+
+
+def test_evaluate_sweeps_its_checkpoints_not_the_presets_rows():
+    """Step 2 (`python run.py -m task=evaluate experiment=<preset> task.checkpoint=a,b`) runs one job per
+    checkpoint: the preset's table rows (its sweeper params) are the training jobs' only."""
+    for preset in ("condenser/math_olmoe", "densemixer/esft_olmoe", "condenser/ablation_m1_dsv2lite"):
+        assert _compose(f"experiment={preset}").hydra.sweeper.params
+        assert _compose(f"experiment={preset}", "task=evaluate").hydra.sweeper.params is None
 
 
 # sweep presets -> (the swept key, extra overrides, reported.csv table): their jobs are exactly the table's rows

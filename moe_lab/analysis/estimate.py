@@ -136,7 +136,8 @@ def dense_student(model):
 
 def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, param_bytes: int,
            grad_bytes: int, optimizer_bytes: int, frozen_extra: int = 0) -> list[dict]:
-    """GPU (and CPU) bytes per rank for each strategy, with and without activation checkpointing.
+    """GPU (and CPU) memory per rank for each strategy, with and without activation checkpointing, in GiB
+    (bytes / 2**30; the ``*_gb`` keys).
 
     Weights ``param_bytes * P`` (+ a frozen teacher for KD), gradients ``grad_bytes * T``, optimizer
     ``optimizer_bytes * T`` (fp32 master + Adam moments = 12). ZeRO-2 shards gradients and optimizer; ZeRO-3 and

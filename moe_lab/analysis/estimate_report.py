@@ -43,7 +43,7 @@ def write_tables(result: dict, out: Path, title: str) -> Path:
                            {"gflops_fwd_per_token": ".3f", "gflops_bwd_per_token": ".3f", "ratio_to_sft": ".3f",
                             "params_active": ",", "params_trainable": ","}),
             "\nNotes: " + "; ".join(f"{LABELS[n]}: {m['note']}" for n, m in r["methods"].items()) + ".\n",
-            "\n## Memory per GPU (GB)\n",
+            "\n## Memory per GPU (GiB)\n",
             markdown_table([m for m in mem if m["method"] in ("sft", "densemixer", "esft", "lora")],
                            {"method": "method", "strategy": "strategy", "activation_checkpointing": "ckpt",
                             "params_gb": "params", "grads_gb": "grads", "optimizer_gb": "optimizer",
@@ -88,7 +88,7 @@ def figure(result: dict, path: Path, title: str) -> Path:
         label = f"{r['gpu_total_gb']:.0f}" + (f"\n(+{r['cpu_gb']:.0f} on CPU)" if r["cpu_gb"] else "")
         bx.text(xi, r["gpu_total_gb"], label, ha="center", va="bottom", fontsize=8)
     bx.set_xticks(x, [r["strategy"] for r in rows], fontsize=9)
-    bx.set_ylabel("GB per GPU")
+    bx.set_ylabel("GiB per GPU")
     bx.set_title(f"SFT memory per GPU ({rows[0]['gpus']} GPUs, activation checkpointing)", fontsize=10)
     bx.legend(fontsize=8, frameon=False)
     bx.spines[["top", "right"]].set_visible(False)

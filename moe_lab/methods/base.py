@@ -15,6 +15,7 @@ from ..data.packing import is_packed, model_inputs, real_token_mask, verify_pack
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
 from ..runtime.precision import apply_master_weights, check_mode
+from ..runtime.refusals import check_fsdp_clipping, check_schedule_length
 from ..runtime.strategies import optimizer_stepped, strategy_kind
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
@@ -206,9 +207,7 @@ class MoELightningModule(L.LightningModule):
         """Under FSDP the gradients are sharded and Lightning's precision plugin refuses to clip by norm: the
         FSDP root's ``clip_grad_norm_`` clips by the norm over all shards (the same global norm)."""
         if gradient_clip_val and strategy_kind(self.trainer.strategy) == "fsdp":
-            if gradient_clip_algorithm not in (None, "norm"):
-                raise ValueError(f"task.trainer.gradient_clip_algorithm={gradient_clip_algorithm} under FSDP: only "
-                                 "'norm' is supported (FSDP clip_grad_norm_); set it to norm or drop the clipping")
+            check_fsdp_clipping("fsdp", gradient_clip_algorithm)
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -246,9 +245,7 @@ class MoELightningModule(L.LightningModule):
         s = self.scheduler_cfg
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         if not math.isfinite(total):
-            if s["name"] != "constant" or s["warmup_ratio"] is not None:
-                raise ValueError(f"task.scheduler.name={s['name']} needs the number of optimizer steps: set "
-                                 "task.trainer.max_steps (or max_epochs with a sized dataset)")
+            check_schedule_length(s, total)
             total = 1
         total = int(total)
         warmup = warmup_steps_for(total, int(s["warmup_steps"]), s["warmup_ratio"])

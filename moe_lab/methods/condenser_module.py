@@ -12,6 +12,7 @@ import torch
 
 from ..callbacks._logging import ends_training
 from ..data.packing import model_inputs, real_token_mask
+from ..runtime.refusals import check_in_run_choice
 from .base import MoELightningModule
 from .condenser import (
     STATE_FILE,
@@ -77,17 +78,13 @@ class CondenserModule(MoELightningModule):
         return steps, f"one per optimizer step: {how}"
 
     def _check_in_run_choice(self) -> None:
-        updates = self.patch.bias_updater.selection_updates
         total, how = self._updates_in_run()
         if not math.isfinite(total):
             log.warning("condenser: selection=in_run chooses the condensers after %d bias updates, and this run's "
-                        "length is unknown (%s): they are chosen only if it runs that long", updates, how)
-        elif updates >= total:
-            when = "never be chosen" if updates > total else "be chosen after the last step and never train"
-            raise ValueError(
-                f"method.options.selection=in_run chooses the condensers after selection_updates={updates} bias "
-                f"updates, but this run makes {int(total)} ({how}): they would {when}. Use selection=pre_phase "
-                f"(a forward-only pass before step 0, no training steps taken) or selection_updates < {int(total)}")
+                        "length is unknown (%s): they are chosen only if it runs that long",
+                        self.patch.bias_updater.selection_updates, how)
+        check_in_run_choice(self.patch.bias_updater, self.trainer.estimated_stepping_batches,
+                            self.trainer.accumulate_grad_batches)
 
     # the pre-phase ----------------------------------------------------------------------------
     def _pre_phase(self) -> dict:

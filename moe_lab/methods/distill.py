@@ -28,6 +28,7 @@ from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
 from ..plain import to_plain as _plain
 from ..runtime.precision import check_mode
+from ..runtime.refusals import EXPORT_ONLY
 from .base import MoELightningModule
 
 log = logging.getLogger(__name__)
@@ -297,8 +298,7 @@ class KDModule(MoELightningModule):
 
     def on_fit_start(self):
         if self.export_only:
-            raise ValueError("KDModule(export_only=True) has no teacher: it converts or exports a checkpoint and "
-                             "cannot train (build it without export_only)")
+            raise ValueError(EXPORT_ONLY)
         if self.record is not None:  # a record for another data-parallel size W is refused before any work
             shard = self.trainer.distributed_sampler_kwargs
             self.record.bind(*((int(shard["num_replicas"]), int(shard["rank"])) if shard else (1, 0)))

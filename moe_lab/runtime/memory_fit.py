@@ -19,7 +19,7 @@ HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_ze
 #: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
 #: parameters)
 REFUSED = {"esft": ("fsdp",), "lora": ("fsdp",)}
-ASSUMED_GPU_GB = 80.0  # the papers' machines: 8 x 80 GB
+ASSUMED_GPU_GB = 80.0  # GiB: the papers' machines, 8 x 80 GB GPUs (A100/H100 80GB: 80 GiB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -64,8 +64,8 @@ def _estimate(model_json: str, seq_len: int, batch: int, gpus: int, dtype: str, 
 
 
 def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = None) -> dict:
-    """The estimate for this run: its method, strategy, activation checkpointing, GB per GPU on ``gpus`` ranks, and
-    (``options``: [(hardware, GB)]) every strategy's GB per GPU for the same method on ``alternatives_gpus`` ranks
+    """The estimate for this run: its method, strategy, activation checkpointing, GiB per GPU on ``gpus`` ranks, and
+    (``options``: [(hardware, GiB)]) every strategy's GiB per GPU for the same method on ``alternatives_gpus`` ranks
     (default ``gpus``; the sharded settings run on every GPU of the node), refused strategies left out."""
     method, strategy = estimate_method(cfg), estimate_strategy(cfg.hardware.trainer)
     seq_len, batch = sequence(cfg)
@@ -95,7 +95,7 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
 
 
 def device_memory_gb(cfg: DictConfig) -> tuple[float | None, str]:
-    """``(GB, where from)`` of the GPU this run is about to use: ``hardware.gpu_memory_gb`` when set, else the CUDA
+    """``(GiB, where from)`` of the GPU this run is about to use: ``hardware.gpu_memory_gb`` when set, else the CUDA
     device's own (GPU hardware on a CUDA machine), else ``(None, why not)``."""
     given = OmegaConf.select(cfg, "hardware.gpu_memory_gb", default=None)
     if given is not None:
@@ -133,9 +133,9 @@ def world_size(cfg: DictConfig) -> tuple[int, str]:
 
 
 def fitting(estimate: dict, memory_gb: float) -> list[str]:
-    """``hardware=<name> (<GB> GB)`` of every strategy whose estimate fits ``memory_gb`` (sharded ones on
+    """``hardware=<name> (<GiB> GiB)`` of every strategy whose estimate fits ``memory_gb`` (sharded ones on
     ``alternatives_gpus`` GPUs)."""
-    return [f"hardware={name} ({gb:.1f} GB)" for name, gb in estimate["options"] if gb <= memory_gb]
+    return [f"hardware={name} ({gb:.1f} GiB)" for name, gb in estimate["options"] if gb <= memory_gb]
 
 
 def node_gpus() -> int:
@@ -155,16 +155,16 @@ def check_memory(cfg: DictConfig) -> None:
         return
     est = memory_estimate(cfg, world_size(cfg)[0], node_gpus())
     if est["gpu_gb"] <= memory:
-        log.info("memory: %.1f GB per GPU estimated (method=%s, hardware=%s, %d GPUs), %.0f GB available (%s)",
+        log.info("memory: %.1f GiB per GPU estimated (method=%s, hardware=%s, %d GPUs), %.0f GiB available (%s)",
                  est["gpu_gb"], est["method"], est["hardware"], est["gpus"], memory, source)
         return
     fit = fitting(est, memory)
     ckpt = "" if est["checkpointing"] else "; or method.gradient_checkpointing=true"
     raise ValueError(
-        f"memory: moe-lab's estimate is {est['gpu_gb']:.1f} GB per GPU for method={cfg.method.name} "
+        f"memory: moe-lab's estimate is {est['gpu_gb']:.1f} GiB per GPU for method={cfg.method.name} "
         f"({est['method']}) under hardware={est['hardware']} ({est['gpus']} GPU{'s' * (est['gpus'] != 1)}, "
         f"{est['batch']} x {est['seq_len']} tokens per micro-batch, activation checkpointing "
-        f"{'on' if est['checkpointing'] else 'off'}), above the {memory:.0f} GB of this GPU ({source}). "
+        f"{'on' if est['checkpointing'] else 'off'}), above the {memory:.0f} GiB of this GPU ({source}). "
         + (f"Hardware settings that fit (on {est['alternatives_gpus']} GPUs): {', '.join(fit)}" if fit
            else "No hardware setting fits at this size")
         + f"{ckpt}; or a smaller dataset.batch_size (python run.py ... task=estimate shows every setting)")

@@ -2,10 +2,12 @@
 weight is loaded (the architecture comes from ``model.architecture`` / the tiny config / a local config.json, on the
 meta device) and nothing trains. Printed and written to ``<run dir>/plan.json``:
 
+* the model's total and active parameters, each with and without the input embedding, and which one the papers
+  quote;
 * the training data after the split and the overflow filter (the data file is read and tokenized), its tokens,
   micro-batches per epoch, optimizer steps and epochs (:func:`optimizer_steps`, Lightning's own arithmetic);
 * warm-up and the schedule's key points, and when the method's own phases happen;
-* the memory per GPU for the chosen hardware by :mod:`moe_lab.analysis.estimate`, and the settings that fit;
+* the memory per GPU (GiB) for the chosen hardware by :mod:`moe_lab.analysis.estimate`, and the settings that fit;
 * the evaluation sets and whether each can be read offline; the output directory.
 """
 
@@ -167,14 +169,46 @@ def eval_plan(cfg: DictConfig) -> list[tuple[str, str]]:
     return out
 
 
-def check_method(cfg: DictConfig) -> str:
-    """Build the method on the model's meta-device twin (no weights) and refuse what the run would refuse: the
-    method's own options and a method the hardware's strategy cannot run. Returns what was checked."""
+#: which active count the papers quote (the input embedding is a lookup, not a matmul, so model cards leave it out)
+ACTIVE_CONVENTION = ("the papers' and model cards' active counts leave the input embedding out (Expert Condenser "
+                     "paper: DeepSeek-V2-Lite 2.4B, GPT-OSS-20B 3.6B; the Compressed Experts paper's OLMoE 1.28B "
+                     "counts it); totals count every parameter (16B, 20B)")
+
+
+def parameter_counts(model_cfg) -> dict:
+    """Total and active (per token) parameters of the model, each with and without the input embedding, counted
+    on its meta-device twin (:func:`moe_lab.analysis.meta_costs.count_parameters`)."""
+    import torch
+
+    from ..analysis.estimate import architecture_config
+    from ..analysis.meta_costs import count_parameters, meta_model, quiet_init
+
+    with quiet_init():
+        counts = count_parameters(meta_model(architecture_config(model_cfg), torch.bfloat16))
+    return {"total": counts.total, "total_no_input_embedding": counts.total - counts.input_embedding,
+            "active": counts.active(), "active_no_input_embedding": counts.active() - counts.input_embedding,
+            "input_embedding": counts.input_embedding}
+
+
+def parameter_line(p: dict) -> str:
+    """The plan's line on the model's size: both counts, and which one the papers quote."""
+    b = 1e9
+    return (f"parameters: total {p['total'] / b:.2f}B ({p['total_no_input_embedding'] / b:.2f}B without the input "
+            f"embedding); active per token {p['active'] / b:.2f}B counting the input embedding "
+            f"({p['input_embedding'] / b:.2f}B), {p['active_no_input_embedding'] / b:.2f}B without it: "
+            + ACTIVE_CONVENTION)
+
+
+def check_method(cfg: DictConfig, optimizer_steps: int | None = None) -> str:
+    """Build the method on the model's meta-device twin (no weights) and refuse what the run would refuse before
+    its first step (:func:`~.refusals.refuse_before_first_step`, the run's own check), given the run's
+    ``optimizer_steps``. Returns what was checked."""
     import torch
 
     from ..analysis.estimate import architecture_config
     from ..analysis.meta_costs import meta_model, quiet_init
-    from .strategies import config_strategy_kind, refuse_unsupported
+    from .refusals import refuse_before_first_step
+    from .strategies import config_strategy_kind
 
     if cfg.task.name != "finetune":
         return f"method built by task={cfg.task.name} itself: not checked here"
@@ -182,9 +216,9 @@ def check_method(cfg: DictConfig) -> str:
         model = meta_model(architecture_config(cfg.model), torch.bfloat16)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
-    kind = config_strategy_kind(cfg.hardware.trainer)
-    refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
-    return f"method={cfg.method.name} builds on the meta model and runs under {kind}"
+    refuse_before_first_step(cfg, module, optimizer_steps)
+    return (f"method={cfg.method.name} builds on the meta model and runs under "
+            f"{config_strategy_kind(cfg.hardware.trainer)}")
 
 
 def plan(cfg: DictConfig) -> dict:
@@ -197,13 +231,13 @@ def plan(cfg: DictConfig) -> dict:
             else "model.config (a config built from config_class)" if model.get("config_class")
             else f"{model.pretrained}/config.json (local)")
     architecture_config(model)  # refuses a model whose architecture cannot be read offline
-    checked = check_method(cfg)
+    params = parameter_counts(model)
     world, world_note = world_size(cfg)
     summary: dict = {"task": cfg.task.name, "model": model.name, "method": cfg.method.get("name"),
-                     "architecture": arch, "world_size": world, "output_dir": str(out_dir)}
+                     "architecture": arch, "parameters": params, "world_size": world, "output_dir": str(out_dir)}
     lines = [(f"task={cfg.task.name} model={model.name} method={cfg.method.get('name')}; architecture from {arch}; "
               "no weights loaded"),
-             f"data-parallel ranks: {world}" + (f" ({world_note})" if world_note else ""), f"checks: {checked}"]
+             parameter_line(params), f"data-parallel ranks: {world}" + (f" ({world_note})" if world_note else "")]
     length = None
     if cfg.task.name in TRAINING_TASKS and "trainer" in cfg.task:
         tokenizer, how = _tokenizer(model)
@@ -232,18 +266,19 @@ def plan(cfg: DictConfig) -> dict:
         lines.append(f"schedule: {sched['name']}, warm-up {sched['warmup_steps']} steps"
                      + (f" (ratio {sched['warmup_ratio']})" if sched["warmup_ratio"] is not None else "")
                      + f"; lr x [{points}] (lr {cfg.task.optim.lr})")
+    lines.insert(3, f"checks: {check_method(cfg, length['optimizer_steps'] if length else None)}")
     phases = method_phases(cfg, length)
     summary["phases"] = phases
     lines += [f"phase: {p}" for p in phases]
     if cfg.task.name in TRAINING_TASKS and "trainer" in cfg.task:
         memory, source = device_memory_gb(cfg)
         if memory is None and str(cfg.hardware.trainer.get("accelerator")) != "cpu":
-            memory, source = ASSUMED_GPU_GB, f"{ASSUMED_GPU_GB:.0f} GB assumed (the papers' GPUs; no CUDA here)"
+            memory, source = ASSUMED_GPU_GB, f"{ASSUMED_GPU_GB:.0f} GiB assumed (the papers' GPUs; no CUDA here)"
         est = memory_estimate(cfg, world, node_gpus())
         summary["memory"] = {**est, "device_gb": memory, "device": source}
-        verdict = ("" if memory is None else f" vs {memory:.0f} GB ({source}): "
+        verdict = ("" if memory is None else f" vs {memory:.0f} GiB ({source}): "
                    + ("fits" if est["gpu_gb"] <= memory else "DOES NOT FIT, a run is refused"))
-        lines.append(f"memory: {est['gpu_gb']:.1f} GB per GPU (method {est['method']}, hardware={est['hardware']}, "
+        lines.append(f"memory: {est['gpu_gb']:.1f} GiB per GPU (method {est['method']}, hardware={est['hardware']}, "
                      f"{est['batch']} x {est['seq_len']} tokens, activation checkpointing "
                      f"{'on' if est['checkpointing'] else 'off'}){verdict}"
                      + (f"; fits on {est['alternatives_gpus']} GPUs: {', '.join(fitting(est, memory)) or 'none'}"

@@ -168,6 +168,14 @@ def _refuse(module, strategy) -> None:
     refuse_unsupported(module, strategy_kind(strategy), precision)
 
 
+def trains_expert_slices(module) -> bool:
+    """ESFT trains slices of packed expert tensors: installed already, or chosen at fit start (an ESFT module
+    whose selection is still to be scored; the plan and the run refuse it before that pass)."""
+    patch = getattr(module, "patch", None)
+    pending = hasattr(module, "esft_config") and getattr(module, "selection", None) is None
+    return bool(patch is not None and patch.expert_slice_masks) or pending
+
+
 def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
     """Refuse a method that cannot run under the strategy ``kind`` (:func:`strategy_kind`) at ``precision``
     (Lightning's name, e.g. ``bf16-mixed``; also used by ``plan=true`` on a module built on the meta device)."""
@@ -175,7 +183,8 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
     if patch is None:
         return
     method = module.hparams.get("name") or module.hparams.get("method")
-    if kind.startswith("deepspeed") and patch.expert_slice_masks and module.optim.get("weight_decay") \
+    slices = trains_expert_slices(module)
+    if kind.startswith("deepspeed") and slices and module.optim.get("weight_decay") \
             and str(precision or "").startswith("16"):
         raise ValueError(f"method={method} under hardware={kind} with precision={precision}: the trained expert "
                          "slices are decayed on ZeRO's fp32 masters before each step, and fp16's loss scaler may "
@@ -191,7 +200,7 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
             raise ValueError(f"{where}: LoRA on packed experts is a torch parametrization, which FSDP's flat "
                              "parameters do not support: use hardware=deepspeed_zero3, deepspeed_zero2 or gpu_ddp, "
                              "or method.lora.targets without experts")
-        if patch.expert_slice_masks:
+        if slices:
             raise ValueError(f"{where}: training only some expert slices (ESFT) masks gradients of whole packed "
                              "tensors, which FSDP flattens and shards: use hardware=gpu_ddp or deepspeed_zero2/3")
 

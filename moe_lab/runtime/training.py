@@ -29,6 +29,7 @@ from .checkpoint_io import (
     read_checkpoint,
 )
 from .precision import export_in_load_dtype
+from .refusals import refuse_before_first_step
 from .resume import (
     History,
     LastStepCheckpoint,
@@ -110,6 +111,7 @@ def _finetune(cfg: DictConfig) -> dict:
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)
+    refuse_before_first_step(cfg, module)  # what plan=true refuses too, from the same function
     if ckpt is not None:
         check_matches(ckpt, ckpt_path, module, f"{cfg.model.name} / {cfg.method.name}", field)
         check_trainable(ckpt, ckpt_path, module, cfg, field, recorded)

@@ -139,8 +139,7 @@ def test_in_run_choice_at_or_after_the_end_is_refused_naming_the_numbers(tmp_pat
             _fit(module, tmp_path, -1, data, accumulate=4, max_epochs=2)
         msg = str(err.value)
         assert f"selection=in_run chooses the condensers after selection_updates={updates} bias updates, but " \
-               "this run makes 4 (one per optimizer step: trainer.estimated_stepping_batches=4 optimizer steps " \
-               "from max_steps=-1, max_epochs=2, 8 micro-batches per epoch, accumulate_grad_batches=4)" in msg
+               "this run makes 4 (one per optimizer step: 4 optimizer steps)" in msg
         assert when in msg and "selection=pre_phase" in msg
         assert all(torch.equal(before[k], v) for k, v in module.model.named_parameters()), "refused before training"
     # one update per micro-batch (the public code's cadence): 16 updates, so 9 fits and is chosen in the run

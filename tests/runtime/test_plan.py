@@ -24,7 +24,7 @@ from moe_lab.data.resumable import ResumableSampler
 from moe_lab.runtime import memory_fit
 from moe_lab.runtime.plan import optimizer_steps, schedule_points
 from moe_lab.runtime.preflight import check_length, preflight
-from tests.presets import CONF, compose_preset, data_overrides, real_model_presets
+from tests.presets import CONF, compose_preset, data_overrides, preset_rows, real_model_presets
 
 #: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE
 #: architectures only, so plan=true refuses them naming the missing MoE field; not planned here (issue 18's D2D
@@ -158,8 +158,8 @@ def test_run_that_does_not_fit_is_refused_before_loading(h100, monkeypatch):
     with pytest.raises(ValueError) as err:
         preflight(cfg)
     message = str(err.value)
-    assert f"{est['gpu_gb']:.1f} GB per GPU" in message and "80 GB of this GPU (mock 80 GB GPU)" in message
-    fits = [f"hardware={name} ({gb:.1f} GB)" for name, gb in est["options"] if gb <= 80]
+    assert f"{est['gpu_gb']:.1f} GiB per GPU" in message and "80 GiB of this GPU (mock 80 GB GPU)" in message
+    fits = [f"hardware={name} ({gb:.1f} GiB)" for name, gb in est["options"] if gb <= 80]
     named = message.split("that fit")[1]
     assert fits and all(f in named for f in fits) and "hardware=gpu " not in named
     preflight(_gpu_run("hardware=deepspeed_zero3"))  # a setting the message named: passes
@@ -242,6 +242,43 @@ def test_every_real_model_preset_plans_offline(preset, tmp_path, capsys):
         assert summary["length"]["optimizer_steps"] >= 1 and summary["world_size"] == 8
         assert 0 < summary["memory"]["gpu_gb"] <= 80 == summary["memory"]["device_gb"]
         assert all(where for _, where in summary["eval"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_row_of_every_preset_plans_on_the_papers_node(preset, tmp_path, capsys):
+    """Each job of ``python run.py -m experiment=<preset>`` (one per row of the paper's table: the preset's
+    hydra.sweeper.params) is planned: none is refused, and a training row's hardware fits 8 x 80 GiB by moe-lab's
+    estimate, which the plan names."""
+    for i, row in enumerate(preset_rows(preset)):
+        summary = _plan(preset, tmp_path / str(i), *row, n=16)
+        out = capsys.readouterr().out
+        assert "DOES NOT FIT" not in out, (preset, row)
+        if "length" in summary:
+            memory = summary["memory"]
+            assert summary["world_size"] == 8 and 0 < memory["gpu_gb"] <= 80 == memory["device_gb"], (preset, row)
+            assert f"hardware={memory['hardware']}" in out and "fits" in out, (preset, row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,quoted,total,active", [("condenser/math_dsv2lite", "DeepSeek-V2-Lite", 15.7, 2.4),
+                                                        ("condenser/math_gptoss", "GPT-OSS-20B", 20.9, 3.6)])
+def test_plan_prints_both_parameter_counts_and_says_which_the_paper_quotes(preset, quoted, total, active, tmp_path,
+                                                                           capsys):
+    """Oracle: the Expert Condenser paper's table (DeepSeek-V2-Lite 16B / 2.4B active, GPT-OSS 20B / 3.6B) and
+    the models' config.json (input embedding = vocab_size x hidden_size): the published active count is moe-lab's
+    without the input embedding; the memory is in GiB."""
+    summary = _plan(preset, tmp_path)
+    out = capsys.readouterr().out
+    p, arch = summary["parameters"], compose_preset(preset).model.architecture
+    assert p["input_embedding"] == arch.vocab_size * arch.hidden_size
+    # the published figures have one decimal (DeepSeek's 2.45B reads 2.4B): within 0.1, and the nearer of the two
+    assert round(p["total"] / 1e9, 1) == total and abs(p["active_no_input_embedding"] / 1e9 - active) < 0.1
+    assert abs(p["active"] / 1e9 - active) > 0.2  # with the input embedding it is not the paper's number
+    assert (f"active per token {p['active'] / 1e9:.2f}B counting the input embedding" in out
+            and f"{p['active_no_input_embedding'] / 1e9:.2f}B without it" in out)
+    assert f"{quoted} {active}B" in out.split("without it: ")[1].split("\n")[0]  # and says the paper's is that one
+    assert f"memory: {summary['memory']['gpu_gb']:.1f} GiB per GPU" in out and " GB" not in out.split("memory:")[1]
 
 
 @pytest.mark.slow
