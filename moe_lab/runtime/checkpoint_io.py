@@ -20,6 +20,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..callbacks.after_validation import AfterValidation
 from .atomic import explain_write_failure, umask_mode
 from .marker_recovery import ADOPT_FIELD, adopt_pending, drop_pending, reverify, write_pending
+from .markers import MARKER, complete_beside, marker_path, sha256_file
+
+CONVERT = "python -m moe_lab.runtime.checkpoint_io convert"
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +208,7 @@ class CheckpointOnSignal(AfterValidation):
 
 
 # ---- COMPLETED markers, keep-last-N, cross-strategy resume, ZeRO -> HF conversion ----------------------------
-MARKER = "COMPLETED"
-CONVERT = "python -m moe_lab.runtime.checkpoint_io convert"
 
-
-def marker_path(ckpt: str | Path) -> Path:
-    """Where a checkpoint's COMPLETED marker lives: inside a directory checkpoint (DeepSpeed), beside a file."""
-    ckpt = Path(ckpt)
-    return ckpt / MARKER if ckpt.is_dir() else ckpt.with_name(f"{ckpt.name}.{MARKER}")
 
 
 def _marker_info(trainer) -> dict:
@@ -239,23 +235,15 @@ def mark_completed(trainer, ckpt: str | Path) -> None:
     drop_pending(Path(ckpt))
 
 
-def _sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def content_digests(ckpt: Path, trainer=None) -> dict[str, str]:
     """``{name: sha256}`` of a checkpoint file (the digest :class:`AtomicCheckpointIO` computed while writing it,
     else read back) or of every file inside a DeepSpeed checkpoint directory (names relative to it)."""
     if ckpt.is_dir():
-        return {str(p.relative_to(ckpt)): _sha256_file(p) for p in sorted(ckpt.rglob("*"))
+        return {str(p.relative_to(ckpt)): sha256_file(p) for p in sorted(ckpt.rglob("*"))
                 if p.is_file() and p.name != MARKER}
     io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
     known = getattr(io, "digests", {}).pop(os.path.abspath(ckpt), None)
-    return {ckpt.name: known or _sha256_file(ckpt)}
+    return {ckpt.name: known or sha256_file(ckpt)}
 
 
 def verify_digests(path: Path, info: dict, field: str) -> None:
@@ -268,30 +256,6 @@ def verify_digests(path: Path, info: dict, field: str) -> None:
         raise ValueError(f"{field}={path}: {where} does not match the sha256 recorded in its {MARKER} marker "
                          f"when it was written (corrupted or changed since; torch would load it without noticing). "
                          f"{complete_beside(path)}")
-
-
-def complete_beside(path: Path) -> str:
-    """One sentence naming the marked checkpoints in ``path``'s directory other than ``path`` (newest first) and the
-    command that resumes the newest (``task.resume`` re-applies the run's own overrides)."""
-    import json
-
-    path = Path(path)
-    marked = [(p.with_name(p.name.removesuffix(f".{MARKER}")), p) for p in path.parent.glob(f"*.{MARKER}")]
-    marked += [(p.parent, p) for p in path.parent.glob(f"*/{MARKER}")]
-    steps = []
-    for ckpt, marker in marked:
-        if ckpt.resolve() == path.resolve() or not ckpt.exists():
-            continue
-        try:
-            steps.append((int(json.loads(marker.read_text()).get("global_step", -1)), ckpt))
-        except (ValueError, OSError):
-            continue
-    if not steps:
-        return "No complete checkpoint beside it: start the run again."
-    steps.sort(key=lambda s: (-s[0], s[1].name))
-    names = ", ".join(f"{ckpt.name} (step {step})" for step, ckpt in steps)
-    return (f"Complete checkpoints beside it: {names}; resume the newest with task.resume={steps[0][1]} (it re-applies "
-            "the run's own overrides).")
 
 
 def _unmark(trainer, ckpt: str | Path) -> None:

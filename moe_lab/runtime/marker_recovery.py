@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_write_json
+from .markers import complete_beside, marker_path, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,10 @@ def drop_pending(ckpt: Path) -> None:
 def adopt_pending(ckpt: Path, field: str) -> dict | None:
     """The marker info of ``ckpt`` when a pending marker vouches for its content (the run was killed between the
     file's rename and its marker's): that marker becomes its COMPLETED marker, said in one line. None: none does."""
-    from .checkpoint_io import _sha256_file, marker_path
-
     pending = pending_markers(ckpt) if ckpt.is_file() else []
     if not pending:
         return None
-    digest = _sha256_file(ckpt)
+    digest = sha256_file(ckpt)
     match = pending_marker(ckpt, digest)
     if match not in pending:
         return None
@@ -71,8 +70,6 @@ def reverify(ckpt: Path, field: str, strategy: str) -> dict:
     """``task.adopt_checkpoint=true``: re-verify ``ckpt`` (every zip record's CRC-32, then read back whole as a
     moe-lab checkpoint) and write its COMPLETED marker with its hash; returns the marker info. A ValueError names
     the file and the complete checkpoints beside it when it does not verify."""
-    from .checkpoint_io import _sha256_file, complete_beside, marker_path
-
     if ckpt.is_dir():
         raise ValueError(f"{field}={ckpt}: {ADOPT_FIELD}=true re-verifies single-file checkpoints only; a DeepSpeed "
                          f"checkpoint directory without a usable marker cannot be vouched for. {complete_beside(ckpt)}")
@@ -91,7 +88,7 @@ def reverify(ckpt: Path, field: str, strategy: str) -> dict:
                          f"({type(err).__name__}: {err}), so it is not adopted. {complete_beside(ckpt)}") from None
     info = {"global_step": int(state["global_step"]), "strategy": strategy,
             "world_size": int(((state.get("moe_lab") or {}).get("run") or {}).get("world size", 1)),
-            "sha256": {ckpt.name: _sha256_file(ckpt)}, "adopted": True}
+            "sha256": {ckpt.name: sha256_file(ckpt)}, "adopted": True}
     del state
     atomic_write_json(marker_path(ckpt), info, indent=None)
     drop_pending(ckpt)
