@@ -196,6 +196,7 @@ for _weights in ("<OLMoE-1B-7B-0924>", "..."):
     NOT_RUNNABLE[_latency] = ("the real OLMoE on a GPU (tests/analysis/test_compressed_experts_latency_bench.py runs "
                               "its flow on CPU at tiny width)")
 NOT_RUNNABLE.update({
+    "python -m experiments.collect compressed_experts <dir>": "reads the latency bench's --out folder (a GPU run)",
     "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8 --methods sft,esft --threads 1": "a benchmark (minutes of timing on purpose)",
