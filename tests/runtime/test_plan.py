@@ -233,31 +233,22 @@ def test_plan_refuses_what_a_run_refuses(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_real_model_preset_plans_offline(preset, tmp_path, capsys):
-    summary = _plan(preset, tmp_path)
-    out = capsys.readouterr().out
-    assert "nothing loaded, nothing trained" in out and "output directory:" in out
-    assert summary["architecture"].startswith("model.architecture")  # the real model's typed-in config.json
-    if "length" in summary:  # a training preset: its hardware fits the papers' 8 x 80 GB by moe-lab's estimate
-        assert summary["length"]["optimizer_steps"] >= 1 and summary["world_size"] == 8
-        assert 0 < summary["memory"]["gpu_gb"] <= 80 == summary["memory"]["device_gb"]
-        assert all(where for _, where in summary["eval"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", PRESETS)
 def test_every_row_of_every_preset_plans_on_the_papers_node(preset, tmp_path, capsys):
-    """Each job of ``python run.py -m experiment=<preset>`` (one per row of the paper's table: the preset's
+    """Offline, from the typed-in architecture, no weights. Each job of ``python run.py -m experiment=<preset>`` (one per row of the paper's table: the preset's
     hydra.sweeper.params) is planned: none is refused, and a training row's hardware fits 8 x 80 GiB by moe-lab's
     estimate, which the plan names."""
     for i, row in enumerate(preset_rows(preset)):
         summary = _plan(preset, tmp_path / str(i), *row, n=16)
         out = capsys.readouterr().out
+        assert "nothing loaded, nothing trained" in out and "output directory:" in out
+        assert summary["architecture"].startswith("model.architecture")  # the real model's typed-in config.json
         assert "DOES NOT FIT" not in out, (preset, row)
         if "length" in summary:
             memory = summary["memory"]
+            assert summary["length"]["optimizer_steps"] >= 1, (preset, row)
             assert summary["world_size"] == 8 and 0 < memory["gpu_gb"] <= 80 == memory["device_gb"], (preset, row)
             assert f"hardware={memory['hardware']}" in out and "fits" in out, (preset, row)
+            assert all(where for _, where in summary["eval"]), (preset, row)
 
 
 @pytest.mark.slow
