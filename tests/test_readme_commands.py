@@ -197,6 +197,8 @@ for _weights in ("<OLMoE-1B-7B-0924>", "..."):
                               "its flow on CPU at tiny width)")
 NOT_RUNNABLE.update({
     "python -m experiments.collect compressed_experts <dir>": "reads the latency bench's --out folder (a GPU run)",
+    "python run.py -m experiment=<preset>": "a synopsis (each preset's own command runs)",
+    "python run.py experiment=<preset> +experiment/row=<row>": "a synopsis (each preset's own command runs)",
     "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8 --methods sft,esft --threads 1": "a benchmark (minutes of timing on purpose)",
@@ -310,7 +312,7 @@ def substitute(command: str, data: Path) -> tuple[dict, list[str]]:
     params = OmegaConf.to_container(params) if params else {}
     if any("," in str(v) for v in params.values()):  # a preset's own sweep (+experiment/row=...): first values
         first = ", ".join(f"{k}: {str(v).split(',')[0].strip()}" for k, v in params.items())
-        extra.append(f"hydra.sweeper.params={{{first}}}")
+        extra.append(f"++hydra.sweeper.params={{{first}}}")
     given = {run._key(a) for a in args}
     for key, value in SUBSTITUTIONS["shrink"].items():
         if OmegaConf.select(cfg, key, default="<absent>") != "<absent>" and not (

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.activation import count_selections, distribution_figure, heatmap_figure, layer_stats
 from ..analysis.report import log_images, markdown_table, write_csv
+from ..analysis.run_method import computes_every_expert, trained_method
 from ..methods.registry import EXPORT_LOADERS
 from ..runtime.atomic import atomic_write_json, atomic_write_text
 
@@ -37,10 +38,13 @@ def _export_dir(path) -> Path | None:
     return p if p is not None and (p / "config.json").is_file() else None
 
 
-def _run_method(export: Path) -> str | None:
-    """``method.name`` of the task=finetune run that wrote ``export`` (its ``config.yaml``), if recorded."""
-    config = export.parent / "config.yaml"
-    return OmegaConf.select(OmegaConf.load(config), "method.name") if config.is_file() else None
+def _all_experts_if_densemixer(label: str, where: str, export: Path, dense: set) -> None:
+    """Count ``label`` with every expert active when the run that wrote ``export`` was DenseMixer (one line)."""
+    method = trained_method(export.parent)
+    if label not in dense and computes_every_expert(method):
+        dense.add(label)
+        print(f"activation_stats: {where} was trained with method={method}: every expert is active (DenseMixer "
+              "computes all experts on every token)", flush=True)
 
 
 def _installed(cfg: DictConfig, export: Path | None):
@@ -81,11 +85,7 @@ def _counts(cfg: DictConfig, runs: dict, dense: set) -> tuple[dict, dict]:
     for label, path in runs.items():
         export = _export_dir(path)
         if export is not None:
-            method = _run_method(export)
-            if label not in dense and method and method.startswith("densemixer"):
-                dense.add(label)
-                print(f"activation_stats: task.runs.{label} was trained with method={method}: every expert is "
-                      "active (DenseMixer computes all experts on every token)", flush=True)
+            _all_experts_if_densemixer(label, f"task.runs.{label}", export, dense)
             counts[label], tokens, routing[label] = _count_run(cfg, export)
         elif Path(str(path)).is_file():
             (counts[label], tokens), routing[label] = _calibration_counts(str(path)), "calibration file (vanilla top-k)"
@@ -117,8 +117,10 @@ def activation_stats_task(cfg: DictConfig) -> dict:
     if runs:
         counts, routing = _counts(cfg, runs, dense)
     else:  # the model itself, with the routing its checkpoint carries
-        label = cfg.model.name
-        layers, tokens, how = _count_run(cfg, _export_dir(cfg.model.get("pretrained")))
+        label, export = cfg.model.name, _export_dir(cfg.model.get("pretrained"))
+        if export is not None:
+            _all_experts_if_densemixer(label, f"model.pretrained={export}", export, dense)
+        layers, tokens, how = _count_run(cfg, export)
         if label in dense:
             layers, how = {k: torch.full_like(c, tokens) for k, c in layers.items()}, how + "; all experts active"
         counts, routing = {label: layers}, {label: how}

@@ -13,6 +13,7 @@ from ..analysis.estimate import architecture_config
 from ..analysis.meta_costs import count_parameters, meta_model, quiet_init
 from ..analysis.offload import all_experts, fetches, needed
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
+from ..analysis.run_method import computes_every_expert, trained_method
 from ..callbacks.routing_log import model_signature, read_routing_log
 from ..runtime.atomic import atomic_write_json, atomic_write_text
 
@@ -52,7 +53,13 @@ def offload_task(cfg: DictConfig) -> dict:
     for label, path in logs.items():
         header, steps, c = read_routing_log(path)
         _check(header, signature, label, cfg.model.name)
-        runs[label] = (steps, needed(c))
+        need = needed(c)
+        method = trained_method(Path(path).parent)
+        if computes_every_expert(method):  # its routing log counts top-k selections; its step needs all E
+            print(f"offload: task.logs.{label} was recorded by a method={method} run: every expert is needed on "
+                  "every step (DenseMixer computes all experts on every token)", flush=True)
+            need = all_experts(need)
+        runs[label] = (steps, need)
     if t.get("densemixer_from"):
         if t.densemixer_from not in runs:
             raise ValueError(f"task.densemixer_from={t.densemixer_from} is not in task.logs ({sorted(runs)})")

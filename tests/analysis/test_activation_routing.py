@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import moe_lab
 from moe_lab.compress.calibrate_run import calibration_sequences
@@ -119,3 +120,18 @@ def test_refusals(tmp_path):
     cfg = _cfg(tmp_path, {"x": tmp_path / "missing"})
     with pytest.raises(FileNotFoundError, match=r"task.runs.x=.*does not exist: give an export directory"):
         run_task(cfg)
+
+
+def test_a_densemixer_export_given_as_the_model_counts_every_expert(tmp_path, capsys):
+    """A DenseMixer run's export passed as model.pretrained (no task.runs): every expert is active on every real
+    token (the run's config.yaml says method.name=densemixer); it was counted as sparse top-k before."""
+    export = _export(tmp_path, "densemixer")
+    OmegaConf.save({"method": {"name": "densemixer"}}, export.parent / "config.yaml")
+    cfg = _cfg(tmp_path, {})
+    cfg.model.pretrained = str(export)
+    run_task(cfg)
+    assert f"activation_stats: model.pretrained={export} was trained with method=densemixer" in capsys.readouterr().out
+    got = _read(tmp_path / "run" / "activation_counts.csv")["tiny_qwen2_moe"]
+    sparse = _hand_counts(export, cfg, lambda logits, layer: logits.topk(layer.top_k, dim=-1).indices)
+    tokens = sum(sparse[next(iter(sparse))]) // build_tiny("qwen2_moe").config.num_experts_per_tok
+    assert all(counts == [tokens] * len(counts) for counts in got.values())

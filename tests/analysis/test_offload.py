@@ -148,3 +148,27 @@ def test_task_table_and_refusal(tmp_path):
         run_task(cfg)
     rows = (out / "offload.csv").read_text().splitlines()
     assert len(rows) == 1 + 3 * 2 * 4 and json.loads((out / "summary.json").read_text())
+
+
+def test_a_densemixer_runs_log_is_counted_with_every_expert(tmp_path, capsys):
+    """A routing log recorded by a DenseMixer run (its run directory's config.yaml says method.name=densemixer)
+    counts top-k selections, but each of its steps computes all E experts: the offload model fetches all 8 per layer
+    per step (the same log under an sft run directory stays sparse; it was counted sparse before, 6.9 of 8)."""
+    from moe_lab.tasks import run_task
+
+    _record(tmp_path)
+    runs = {}
+    for method in ("sft", "densemixer"):
+        run = tmp_path / method
+        run.mkdir()
+        (run / "routing_log.jsonl").write_text((tmp_path / "routing_log.jsonl").read_text())
+        OmegaConf.save({"method": {"name": method}}, run / "config.yaml")
+        runs[method] = str(run / "routing_log.jsonl")
+    cfg, _ = _cfg(tmp_path, "olmoe", runs, capacity=2)
+    summary = run_task(cfg)
+    assert "offload: task.logs.densemixer was recorded by a method=densemixer run: every expert is needed" \
+        in capsys.readouterr().out
+    c = tiny_model_cfg("olmoe").config
+    assert summary["offload/densemixer/expert/seconds_per_step"] == pytest.approx(
+        2 * 8 * 3 * c.hidden_size * c.intermediate_size * 2 / 25e9, rel=1e-12)
+    assert summary["offload/sft/expert/seconds_per_step"] < summary["offload/densemixer/expert/seconds_per_step"]
