@@ -91,8 +91,8 @@ def _sharded_run(rank: int, port: int, family: str, method: str, engine: str, ou
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("engine", ["deepspeed_zero3", "fsdp"])
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family,engine", [("olmoe", "deepspeed_zero3"), ("qwen3_moe", "deepspeed_zero3"),
+                                           ("olmoe", "fsdp")])
 def test_densemixer_sharded_equals_the_single_process_run(family, engine, tmp_path):
     base = build_tiny(family).train()
     reference = copy.deepcopy(base)
