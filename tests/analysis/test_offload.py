@@ -171,4 +171,3 @@ def test_a_densemixer_runs_log_is_counted_with_every_expert(tmp_path, capsys):
     c = tiny_model_cfg("olmoe").config
     assert summary["offload/densemixer/expert/seconds_per_step"] == pytest.approx(
         2 * 8 * 3 * c.hidden_size * c.intermediate_size * 2 / 25e9, rel=1e-12)
-    assert summary["offload/sft/expert/seconds_per_step"] < summary["offload/densemixer/expert/seconds_per_step"]
