@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 import socket
 from pathlib import Path
@@ -194,10 +196,11 @@ def family(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files holding `slow` tests first (stable order otherwise): under ``-n 2`` the long end-to-end files
-    start at once instead of leaving one worker alone with them at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """The files with the most `slow` tests first (stable order otherwise): under ``-n 2`` the long end-to-end
+    files start at once instead of leaving one worker alone with them at the end (pyproject's
+    ``--no-loadscope-reorder`` keeps pytest-xdist from re-sorting the files by their number of tests)."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture(scope="module")
