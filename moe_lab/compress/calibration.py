@@ -4,6 +4,7 @@ docs/specs/compression.md section 1; saved as one safetensors file and reused by
 ``Calibration.layers[layer]`` (decoder layer index -> dict) holds EXACTLY these tensors (sums over the
 real, non-pad calibration tokens t; E experts, H hidden size; accumulators float64, counts int64):
 
+```text
 ==================  ========  =============================================================================
 name                shape     definition
 ==================  ========  =============================================================================
@@ -28,6 +29,7 @@ router_weight       [E, H]    fp32 copy of the router weight
 router_bias         [E]       fp32 router logit bias (only where the family has one, e.g. GPT-OSS)
 e_score_correction_bias [E]   fp32 selection-only bias (only DeepSeek-V3 style routers)
 ==================  ========  =============================================================================
+```
 
 f_e(t) is the UNWEIGHTED output of routed expert e on the MoE-block input x(t) (model dtype, upcast to fp32
 before norms and inner products). Sequence j = one batch row; L_j its real-token count.

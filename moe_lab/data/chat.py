@@ -8,9 +8,11 @@ Two renderings:
   prefix-stable (an earlier rendering is a prefix of a later one); a template that rewrites history (e.g.
   dropping earlier reasoning) is reported with the fix ``dataset.chat_format=plain``.
 - ``plain``: DeepSeek's plain format used by ESFT (deepseek-ai/ESFT ``utils.py``), also the fallback for
-  tokenizers without a chat template such as moe-lab's byte tokenizer::
+  tokenizers without a chat template such as moe-lab's byte tokenizer:
 
-      <bos>[system content\\n\\n]User: {user}\\n\\nAssistant: {assistant}<eos>User: ...
+  ```text
+  <bos>[system content\\n\\n]User: {user}\\n\\nAssistant: {assistant}<eos>User: ...
+  ```
 
   Contents are stripped; the trained part of an assistant turn is `` {assistant}`` plus the eos token.
 
