@@ -94,8 +94,11 @@ def _calibrate(preset: str, tmp: Path, text: str, dtype: str) -> str:
     return run.execute(cfg)["calibration"]
 
 
-def preset_overrides(preset: str, tmp: Path) -> list[str]:
-    base = [f"model={tiny_sibling(preset)}", "hardware=cpu", f"paths.output_dir={tmp / 'run'}"]
+def preset_overrides(preset: str, tmp: Path, row: tuple[str, ...] = (), hardware: tuple[str, ...] = ("hardware=cpu",)
+                     ) -> list[str]:
+    """The overrides that run ``preset`` (with its table ``row``) on its tiny sibling under ``hardware``, on local
+    data, at the sizes of the module docstring."""
+    base = [*row, f"model={tiny_sibling(preset)}", *hardware, f"paths.output_dir={tmp / 'run'}"]
     cfg = compose_preset(preset, *base)
     over = [*base, *data_overrides(cfg, tmp / "data"), *_size_overrides(cfg)]
     if cfg.task.name == "moe_to_dense":
