@@ -176,3 +176,38 @@ def test_refuses_existing_output(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError, match="never overwrites"):
         convert_deepseek_moe(tmp_path / "ds", tmp_path / "out")
+
+
+def test_condensed_converted_deepseek_moe_exports_as_vanilla_qwen2_moe(tmp_path):
+    """CD-MoE on the converted DeepSeekMoE (its presets' model): the shared expert's gate is the converter's zero
+    gate (sigmoid(0) = 0.5, constant), so a condensed layer (shared expert + K_r retained experts with fixed gates)
+    is one dense SwiGLU of width S + K_r*I and the whole model a VANILLA Qwen2-MoE (that layer in
+    ``mlp_only_layers``), not moe-lab's condensed format. Oracle: the condensed model's logits; the dense MLP sums
+    the same products in one matmul instead of three, so float32 rounding (atol 1e-5 on O(1) logits) remains.
+    A trained (token-wise, nonzero) gate is refused with the fix."""
+    from moe_lab.compress import calibrate, condense
+    from moe_lab.compress.condense import to_vanilla
+
+    write_checkpoint(tmp_path / "ds", SRC, deepseek_state(SRC))
+    model = transformers.AutoModelForCausalLM.from_pretrained(main(["deepseek_moe", str(tmp_path / "ds"),
+                                                                    str(tmp_path / "qwen")])).eval()
+    gen = torch.Generator().manual_seed(5)
+    batches = [{"input_ids": torch.randint(0, SRC["vocab_size"], (3, 10), generator=gen),
+                "attention_mask": torch.ones(3, 10, dtype=torch.long)} for _ in range(2)]
+    condensed = condense(model, calibrate(model, batches), [2], {2: [1, 6]})
+    with torch.no_grad():
+        want = condensed(input_ids=batches[0]["input_ids"]).logits
+    to_vanilla(condensed).save_pretrained(tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(back).__name__ == "Qwen2MoeForCausalLM" and back.config.mlp_only_layers == [0, 2]
+    assert type(back.model.layers[2].mlp).__name__ == "Qwen2MoeMLP"
+    assert type(back.model.layers[1].mlp).__name__ == "Qwen2MoeSparseMoeBlock"  # not condensed: kept as is
+    assert not (tmp_path / "export" / "condense_manifest.json").exists()
+    with torch.no_grad():
+        got = back(input_ids=batches[0]["input_ids"]).logits
+    assert want.abs().max() > 1 and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    trained = condense(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen").eval(), None, [2])
+    with torch.no_grad():
+        trained.model.layers[2].mlp.shared_expert_gate.weight.fill_(0.01)
+    with pytest.raises(ValueError, match="token-wise sigmoid gate.*export_condensed"):
+        to_vanilla(trained)

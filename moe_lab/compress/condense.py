@@ -355,12 +355,32 @@ __all__ = ["CondensedLayer", "condense", "export_condensed", "fixed_gates", "js_
 
 
 
+def _constant_shared(layer: CondensedLayer, model_type: str) -> tuple[nn.Module, float] | None:
+    """A condensed layer's shared expert and its constant gate value (:func:`to_vanilla`), None without one;
+    refuses a token-wise gate, which one vanilla dense MLP cannot express."""
+    if not layer.shared_attr:
+        return None
+    expert = getattr(layer, layer.shared_attr)
+    if not all(hasattr(expert, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError(f"{model_type}: the shared expert is no gate/up/down MLP: use export_condensed")
+    if not layer.shared_gate_attr:
+        return expert, 1.0
+    gate = getattr(layer, layer.shared_gate_attr)
+    if getattr(gate, "bias", None) is not None or bool(gate.weight.any()):
+        raise ValueError(f"{model_type}: condensed layers keep the shared expert with its token-wise sigmoid gate "
+                         "(Qwen2-MoE), which one vanilla dense MLP cannot express: use export_condensed")
+    return expert, 0.5  # sigmoid(0), exactly
+
+
 @torch.no_grad()
 def to_vanilla(model: nn.Module) -> nn.Module:
     """The condensed model as a VANILLA HF model of its own family, where the family allows per-layer dense FFNs
-    (a config with ``mlp_only_layers``, e.g. Qwen3-MoE) and the condensed layers have no gated shared expert:
-    each condensed layer becomes a dense SwiGLU of width K_r*I (down blocks scaled by g_i), every dense FFN
-    zero-padded to the common ``intermediate_size`` (exact). Other families: :func:`export_condensed`."""
+    (a config with ``mlp_only_layers``, e.g. Qwen3-MoE, Qwen2-MoE) and the condensed layers' shared expert, if
+    any, has a constant gate: each condensed layer becomes a dense SwiGLU of width S + K_r*I (the shared expert's
+    S rows, its down block scaled by the constant gate, then the retained experts' blocks scaled by g_i), every
+    dense FFN zero-padded to the common ``intermediate_size`` (exact). A constant gate is none, or a bias-free
+    sigmoid gate whose weight is all zeros (sigmoid(0) = 0.5 exactly): DeepSeekMoE converted to Qwen2-MoE by
+    ``moe_lab.convert``. A token-wise gate (a trained Qwen2-MoE): :func:`export_condensed`."""
     from .dense import build_uninitialised
 
     record = getattr(model, "moe_lab_condense", None)
@@ -371,10 +391,9 @@ def to_vanilla(model: nn.Module) -> nn.Module:
         raise ValueError(f"{config.model_type} has no per-layer dense FFN (mlp_only_layers): export with "
                          "export_condensed and reload with load_condensed")
     layers = {int(i): model.get_submodule(info["name"]) for i, info in record.items()}
-    if any(m.shared_attr for m in layers.values()):
-        raise ValueError(f"{config.model_type}: condensed layers keep the shared expert (Qwen2-MoE: with its token-wise "
-                         "sigmoid gate), which one vanilla dense MLP cannot express: use export_condensed")
-    widths = [m.down_proj.shape[0] * m.down_proj.shape[2] for m in layers.values()]
+    shared = {i: _constant_shared(m, config.model_type) for i, m in layers.items()}
+    widths = [m.down_proj.shape[0] * m.down_proj.shape[2] + (s[0].down_proj.weight.shape[1] if s else 0)
+              for m, s in zip(layers.values(), shared.values())]
     dense_before = [int(i) for i in config.mlp_only_layers]
     width = max([*widths, int(config.intermediate_size) if dense_before else 0, 1])
     values = config.to_dict()
@@ -397,10 +416,16 @@ def to_vanilla(model: nn.Module) -> nn.Module:
         gate, up = module.gate_up_proj.chunk(2, dim=1)  # [K, I, H] each
         K, I, H = gate.shape
         down = (module.down_proj * module.gates.view(-1, 1, 1)).permute(1, 0, 2).reshape(H, K * I)
+        gate, up = gate.reshape(K * I, H), up.reshape(K * I, H)
+        if shared[i]:  # the shared expert's rows first, its down block times the constant gate (exact: 0.5 or 1)
+            expert, factor = shared[i]
+            gate = torch.cat([expert.gate_proj.weight, gate])
+            up = torch.cat([expert.up_proj.weight, up])
+            down = torch.cat([expert.down_proj.weight * factor, down], dim=1)
         for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             proj.weight.zero_()
-        mlp.gate_proj.weight[: K * I].copy_(gate.reshape(K * I, H))
-        mlp.up_proj.weight[: K * I].copy_(up.reshape(K * I, H))
-        mlp.down_proj.weight[:, : K * I].copy_(down)
+        mlp.gate_proj.weight[: gate.shape[0]].copy_(gate)
+        mlp.up_proj.weight[: up.shape[0]].copy_(up)
+        mlp.down_proj.weight[:, : down.shape[1]].copy_(down)
     vanilla.moe_lab_manifest = {"method": "cd_moe", "layers": record}
     return vanilla
