@@ -211,7 +211,8 @@ class MoEBlock(nn.Module):
         # in the same order and forwards and gradients are bit-identical to vanilla HF
         spec = self.spec
         batch, seq, hidden = hidden_states.shape
-        x = self._jitter(hidden_states).reshape(-1, hidden)
+        jittered = self._jitter(hidden_states)
+        x = jittered.reshape(-1, hidden)
         # None: no shared experts (a family whose config may have none, e.g. moe_num_shared_experts=0)
         shared_module = getattr(self, spec.shared_attr, None) if spec.shared_attr else None
         shared = shared_module(x) if spec.shared_first and shared_module is not None else None
@@ -221,18 +222,20 @@ class MoEBlock(nn.Module):
         self._count(indices, batch, seq)
         if spec.shared_after_router:
             shared = shared_module(x)
+        own_view = spec.experts_own_view and jittered is hidden_states  # (no such family jitters)
+        experts_x = hidden_states.reshape(-1, hidden) if own_view else x
         if parametrize.is_parametrized(self.view.obj.expert_module):  # LoRA: merge the adapters once per forward, not per expert
             with parametrize.cached():
-                out = self.mixer(self, x, logits, weights, indices)
+                out = self.mixer(self, experts_x, logits, weights, indices)
         else:
             cast = autocast_expert_weights(self.experts, x.device.type)
             with stateless._reparametrize_module(self.experts, cast) if cast else contextlib.nullcontext():
-                out = self.mixer(self, x, logits, weights, indices)
+                out = self.mixer(self, experts_x, logits, weights, indices)
         if spec.output_scaling_field:
             out = out * getattr(self.view.obj.config, spec.output_scaling_field)
         if shared_module is not None:
             if shared is None:
-                shared = shared_module(x)
+                shared = shared_module(hidden_states).reshape(-1, hidden) if own_view else shared_module(x)
             if spec.shared_gate_attr is not None:
                 shared = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x)) * shared
             config = self.view.obj.config

@@ -105,6 +105,11 @@ class FamilySpec:
     shared_gate_attr: str | None = None  # sigmoid gate on the shared expert (Qwen2-MoE)
     shared_first: bool = False  # HF runs the shared expert before the router (its gate after the experts)
     shared_after_router: bool = False  # HF runs the shared expert between the router and the routed experts (AFMoE)
+    # HF calls the routed experts on their own view of the block input and the shared experts on the block input
+    # itself (DeepSeek-V2/V3's ``residuals``), so autograd sums the input gradient per consumer first: moe-lab does
+    # the same (under the eager experts backend, whose per-expert index ops each add a piece, the sums otherwise
+    # round differently)
+    experts_own_view: bool = False
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     returns_router_logits: bool = False  # block returns (hidden, router_logits) (Llama 4)
     router_logits_index: int = 0  # where the HF router's output tuple holds the logits (HF records them there)
@@ -402,7 +407,7 @@ _CORE: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v2", "DeepseekV2Moe", "gate", _deepseek_v2_rule,
-            shared_attr="shared_experts", aux_loss="sequence", aux_loss_field="aux_loss_alpha",
+            shared_attr="shared_experts", experts_own_view=True, aux_loss="sequence", aux_loss_field="aux_loss_alpha",
             native_aux_loss_coef=0.001,
             notes="greedy or group-limited greedy top-k, routed scaling, first_k_dense_replace dense layers; "
             "HF computes no aux loss: moe-lab adds DeepSeek-V2's sequence-wise expert balance loss (seq_aux) at "
@@ -413,7 +418,7 @@ _CORE: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v3", "DeepseekV3MoE", "gate", _deepseek_v3_rule,
-            shared_attr="shared_experts", aux_loss="sequence", aux_loss_field=None,
+            shared_attr="shared_experts", experts_own_view=True, aux_loss="sequence", aux_loss_field=None,
             notes="sigmoid scores, e_score_correction_bias for selection, group-limited (top-2 sum) top-k; "
             "HF computes no aux loss and the checkpoint's remote code trains none (noaux_tc: balance by the "
             "correction bias): native coefficient 0; an explicit aux_loss_coef adds the V3 paper's "
@@ -600,7 +605,7 @@ _ADDED_OWN += (
                notes="sigmoid + correction bias on soft-capped fp32-cast logits, renormalised, weights in the input "
                "dtype; routed scaling on the mixture output; shared expert"),
     FamilySpec("kolibri1", "Kolibri1SparseMoeBlock", "gate", _kolibri_rule, shared_attr="shared_experts",
-               aux_loss="sequence", aux_loss_field=None,
+               experts_own_view=True, aux_loss="sequence", aux_loss_field=None,
                dense_target=DenseTarget("one_expert", _one_expert("moe_intermediate_size", "num_experts")),
                notes="top-k of fp32 logits + correction bias, weights = sigmoid of the selected logits (renormalised); "
                "shared expert; HF computes no aux loss (native 0). On CUDA bf16 inference HF takes an fp32-output mm"),
