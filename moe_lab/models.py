@@ -8,6 +8,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from .moe.experts_backend import set_experts_implementation
 from .moe.registry import family_spec, supported_families
 from .plain import to_plain
 from .runtime.precision import keep_hf_fp32
@@ -64,7 +65,8 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
     """``(model, tokenizer)`` from a ``conf/model`` entry.
 
     ``pretrained`` (hub id or local path) loads real weights; otherwise ``config_class`` + ``config``
-    builds a randomly initialised model seeded by ``seed``. ``method`` (the Hydra method name the model is
+    builds a randomly initialised model seeded by ``seed``. ``experts_implementation`` picks transformers' experts
+    kernel (:mod:`moe_lab.moe.experts_backend`; null keeps transformers' default). ``method`` (the Hydra method name the model is
     loaded for) decides whether a dense causal LM is accepted besides the MoE families
     (:func:`check_model_type`).
     """
@@ -120,6 +122,7 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
             torch.manual_seed(int(cfg.get("seed") or 0))
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         keep_hf_fp32(model, dtype)
+    set_experts_implementation(model, cfg.get("experts_implementation"))
     if tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

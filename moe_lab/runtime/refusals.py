@@ -10,6 +10,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..moe.experts_backend import refuse_method_backend
 from .preflight import check_numbers
 from .strategies import config_strategy_kind, refuse_unsupported
 
@@ -19,13 +20,14 @@ EXPORT_ONLY = ("KDModule(export_only=True) has no teacher: it converts or export
 
 def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | None = None) -> None:
     """Refuse ``cfg``'s run with ``module`` (its built method) for what it would refuse before its first step: the
-    config's numbers, the method under the hardware's strategy and precision, FSDP's clipping, a method that
+    config's numbers, the method on its experts kernel and under the hardware's strategy and precision, FSDP's clipping, a method that
     cannot train, and (given the run's ``optimizer_steps``) a schedule or condenser choice the run's length
     cannot honour. The run passes no ``optimizer_steps`` (its trainer counts them at fit start, and the method
     refuses through the same functions there); the plan passes the steps it counted. The numbers are checked for
     task=finetune (as the preflight does; a multi-stage task's stages set their own)."""
     if cfg.task.name == "finetune":
         check_numbers(cfg)
+    refuse_method_backend(OmegaConf.select(cfg, "method.method"), OmegaConf.select(cfg, "model.experts_implementation"))
     kind = config_strategy_kind(cfg.hardware.trainer)
     refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
     if OmegaConf.select(cfg, "task.trainer.gradient_clip_val", default=None):
