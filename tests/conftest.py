@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import os
 import socket
+from collections import Counter
 from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2` on 2 cores: one thread per worker (and its subprocesses), set

@@ -34,7 +34,7 @@ import contextlib
 import torch
 from torch.nn.utils import parametrize, stateless
 
-from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture
+from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture, splits_lora
 from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
@@ -86,12 +86,14 @@ def inactive_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.sort(selected, dim=1, stable=True).indices[:, :num_experts - indices.shape[1]]
 
 
-def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk_tokens: int, visit) -> None:
+def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk_tokens: int, visit,
+                             split_lora: bool = False) -> None:
     """Every (token, expert outside the token's top-k ``indices``) pair's output without autograd, in chunks of at
     most ``chunk_tokens`` tokens: per chunk the pairs are sorted by expert and run as one grouped matmul per
     projection. ``visit(rows, tokens, experts, order, outputs)`` consumes each chunk of tokens ``rows`` (a slice):
     the pairs' tokens (chunk-relative) and experts [S], each pair's position ``order`` [S] in the chunk's
-    token-major [T, E - k] pair table (:func:`inactive_experts`) and the outputs [S, H], all in expert order."""
+    token-major [T, E - k] pair table (:func:`inactive_experts`) and the outputs [S, H], all in expert order.
+    ``split_lora``: adapted packed experts run split (x A B, no merged weights; moe/experts.py)."""
     others = view.num_experts - indices.shape[1]
     if others == 0:
         return
@@ -103,7 +105,8 @@ def _inactive_expert_outputs(view, x: torch.Tensor, indices: torch.Tensor, chunk
             counts = torch.zeros(view.num_experts, dtype=torch.int32, device=flat.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount without a host sync
             tokens = order // others
-            out = grouped_expert_forward(view, x[rows][tokens], experts, counts.cumsum(0, dtype=torch.int32))
+            out = grouped_expert_forward(view, x[rows][tokens], experts, counts.cumsum(0, dtype=torch.int32),
+                                         split_lora)
             visit(rows, tokens, experts, order, out)
 
 
@@ -111,9 +114,9 @@ class _InactiveExperts(torch.autograd.Function):
     """Zero-valued output whose backward gives each inactive weight ``<dL/dy, E_e(x)>``."""
 
     @staticmethod
-    def forward(ctx, weights, x, indices, view, chunk_tokens):
+    def forward(ctx, weights, x, indices, view, chunk_tokens, split_lora):
         ctx.save_for_backward(x, indices)
-        ctx.view, ctx.chunk_tokens = view, chunk_tokens
+        ctx.view, ctx.chunk_tokens, ctx.split_lora = view, chunk_tokens, split_lora
         device = x.device.type
         ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return x.new_zeros(x.shape)
@@ -132,8 +135,8 @@ class _InactiveExperts(torch.autograd.Function):
         with torch.autocast(device, dtype=ctx.autocast, enabled=ctx.autocast is not None):
             cast = autocast_expert_weights(experts, device)
             with stateless._reparametrize_module(experts, cast) if cast else contextlib.nullcontext():
-                _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit)
-        return grad_w, None, None, None, None
+                _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit, ctx.split_lora)
+        return grad_w, None, None, None, None, None
 
 
 class DenseMixerMixture:
@@ -158,7 +161,8 @@ class DenseMixerMixture:
         straight = dense.scatter(1, indices, 0.0)
         if self.gradient == "paper_eq15":
             straight = straight * dense.detach()  # dL/dw_j = w_j <g, E_j(x)> off the top-k
-        straight = _InactiveExperts.apply(straight, x.detach(), indices, view, self.chunk_tokens)
+        split = block.split_lora and splits_lora(view)
+        straight = _InactiveExperts.apply(straight, x.detach(), indices, view, self.chunk_tokens, split)
         return out + straight.to(out.dtype)
 
     def _dense_forward(self, block, view, x, logits, weights, indices):
@@ -174,7 +178,8 @@ class DenseMixerMixture:
                 pairs = weighted.new_empty(weighted.shape).index_copy_(0, order, weighted)
                 extra[rows] = pairs.view(-1, view.num_experts - indices.shape[1], pairs.shape[-1]).sum(1).to(extra.dtype)
 
-            _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit)
+            _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit,
+                                     block.split_lora and splits_lora(view))
         return out + extra
 
 

@@ -90,10 +90,16 @@ def add_lora(
     dropout: float = 0.0,
     targets: list[str] | tuple[str, ...] = TARGETS,
     train_router=None,
+    experts: str = "split",
 ) -> None:
     """Freeze the base weights (ids in ``base_parameters``) except the router, and attach adapters to
-    ``targets``. The router keeps the trainability the method gave it (full rank)."""
+    ``targets``. The router keeps the trainability the method gave it (full rank). ``experts``: how the
+    conventional mixture runs adapted packed experts, ``split`` (x A B on the routed rows, no per-expert delta)
+    or ``merged`` (the weights ``W + scale B A``, materialised once per forward)."""
     targets = list(targets)
+    if experts not in ("split", "merged"):
+        raise ValueError(f"method.lora.experts={experts}: choose split (x A B on the routed rows) or merged "
+                         "(W + scale B A per forward)")
     if train_router is not None:
         raise ValueError("method.lora.train_router is gone: the method decides whether the router trains (full "
                          "rank): method=sft / densemixer train it, method=frozen_router freezes it")
@@ -118,7 +124,7 @@ def add_lora(
             p.requires_grad_(False)
     patch.lora_modules = []
     if "experts" in targets:
-        for view in patch.views:
+        for view, block in zip(patch.views, patch.layers):
             owner = view.expert_module  # the experts module, or DBRX's experts.mlp
             prefix = ".".join(filter(None, (view.name, "experts", view.layout.owner)))
             for name, tensor in view.expert_parameters().items():
@@ -126,6 +132,7 @@ def add_lora(
                 if tensor.dim() != 3:
                     continue  # GPT-OSS expert biases stay frozen
                 rows = next((m for q, m in patch.expert_slice_masks.values() if q is param), None)
+                block.split_lora = experts == "split"
                 lora = PackedLoRA(tensor.shape, rank, scale, param.dtype, param.device)
                 parametrize.register_parametrization(owner, name, lora, unsafe=True)
                 if rows is not None:  # ESFT: adapters only on the selected experts

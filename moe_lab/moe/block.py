@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, stateless
 
-from .experts import expert_mixture
+from .experts import expert_mixture, split_lora_mixture
 from .registry import config_value
 from .routing import router_logits, select_topk
 from .stats import TokenContext, bincount_experts, in_backward_pass
@@ -99,8 +99,21 @@ def autocast_expert_weights(experts: nn.Module, device_type: str) -> dict[str, t
 
 def sparse_mixture(block: MoEBlock, x, logits, weights, indices) -> torch.Tensor:
     """Conventional mixture [N, H]: the HF experts module run on the selected (token, expert) pairs
-    (:func:`~moe_lab.moe.experts.expert_mixture`: the routing weight on the expert output, or input)."""
-    return expert_mixture(block.view.obj, x, weights, indices)
+    (:func:`~moe_lab.moe.experts.expert_mixture`: the routing weight on the expert output, or input); with split
+    LoRA on packed experts (``block.split_lora``), the base weights and the adapters' rank-r steps on the pairs
+    (:func:`~moe_lab.moe.experts.split_lora_mixture`), never the merged weights."""
+    view = block.view.obj
+    if block.split_lora and splits_lora(view):
+        return split_lora_mixture(view, x, weights, indices)
+    return expert_mixture(view, x, weights, indices)
+
+
+def splits_lora(view) -> bool:
+    """Whether LoRA on ``view``'s experts can run split: packed tensors (not DBRX's rows) weighted on the output
+    (not Llama 4's weight-scaled inputs), with adapters installed."""
+    experts = view.experts
+    return (view.layout.packed and not view.spec.weight_on_input and parametrize.is_parametrized(experts)
+            and getattr(experts, "has_gate", True) and not getattr(experts, "has_post_expert_norm", False))
 
 
 class SliceGradMask:
@@ -134,6 +147,8 @@ class MoEBlock(nn.Module):
         self.train(view.block.training)
         # how routed experts are combined: ``mixer(block, x, logits, weights, indices) -> [N, H]``
         self.mixer = sparse_mixture
+        # LoRA on packed experts as rank-r steps on the routed rows (methods/lora.py ``experts: split``)
+        self.split_lora = False
         # plain tensors, not buffers: DDP would broadcast buffers from rank 0 and overwrite local counts
         self.counts = torch.zeros(self.num_experts, dtype=torch.long)
         self.total_counts = torch.zeros(self.num_experts, dtype=torch.long)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 from transformers.integrations.moe import _grouped_linear
 
 from .view import MoELayerView
@@ -24,20 +25,70 @@ def expert_forward(view: MoELayerView, expert: int, x: torch.Tensor) -> torch.Te
 
 
 def grouped_expert_forward(view: MoELayerView, x: torch.Tensor, expert_ids: torch.Tensor,
-                           offsets: torch.Tensor) -> torch.Tensor:
+                           offsets: torch.Tensor, split_lora: bool = False) -> torch.Tensor:
     """:func:`expert_forward` of many experts at once: row r of ``x`` [S, H] through expert ``expert_ids[r]``, the
     rows sorted by expert, ``offsets`` [E] int32 the cumulative row counts per expert. One grouped matmul per
-    projection over the whole [E, ...] tensors (HF's ``grouped_mm`` dispatch), no per-expert loop or host sync."""
+    projection over the whole [E, ...] tensors (HF's ``grouped_mm`` dispatch), no per-expert loop or host sync.
+    ``split_lora``: packed tensors carrying LoRA adapters run as ``x W + scale (x A) B`` per expert (the
+    low-rank path on the rows themselves, :func:`_grouped_projection`), never materialising ``W + scale B A``."""
     experts, layout = view.experts, view.layout
     if not layout.packed:  # rows of 2-D tensors (DBRX), as [E, I, H] / [E, H, I] role views
         gate, up, down = view.roles()
         hidden = layout.activation(experts)(_grouped_linear(x, gate, offsets)) * _grouped_linear(x, up, offsets)
         return _grouped_linear(hidden, down, offsets)
     bias = experts.gate_up_proj_bias[expert_ids] if layout.biases else None
-    gate_up = _grouped_linear(x, experts.gate_up_proj, offsets, bias=bias, is_transposed=layout.transposed)
+    gate_up = _grouped_projection(x, view, "gate_up_proj", offsets, bias, split_lora)
     bias = experts.down_proj_bias[expert_ids] if layout.biases else None
-    return _grouped_linear(_packed_glu(view, gate_up), experts.down_proj, offsets, bias=bias,
-                           is_transposed=layout.transposed)
+    return _grouped_projection(_packed_glu(view, gate_up), view, "down_proj", offsets, bias, split_lora)
+
+
+def _grouped_projection(x: torch.Tensor, view: MoELayerView, name: str, offsets: torch.Tensor,
+                        bias: torch.Tensor | None, split_lora: bool) -> torch.Tensor:
+    """One packed projection ``name`` of the sorted rows ``x``. With ``split_lora`` and a LoRA parametrization on
+    the tensor (W [E, m, n] stored, B [E, m, r], A [E, r, n]): ``x W^T + scale (x A^T) B^T``, or for a transposed
+    layout (x W, W [E, H_in, H_out]) ``x W + scale (x B) A``: the same function as ``W + scale B A`` in rank-r
+    steps (Unsloth's "split LoRA"), with no [E, m, n] delta or its gradient."""
+    experts, transposed = view.experts, view.layout.transposed
+    lora = None
+    if split_lora and parametrize.is_parametrized(experts, name):
+        weight, lora = experts.parametrizations[name].original, experts.parametrizations[name][0]
+    else:
+        weight = getattr(experts, name)
+    out = _grouped_linear(x, weight.to(x.dtype), offsets, bias=bias, is_transposed=transposed)
+    if lora is None:
+        return out
+    first, second = (lora.lora_B, lora.lora_A) if transposed else (lora.lora_A, lora.lora_B)
+    low = _rank_step(_rank_step(x, first.to(x.dtype), offsets, transposed), second.to(x.dtype), offsets, transposed)
+    return out + lora.scale * low
+
+
+def _rank_step(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """One grouped matmul of a LoRA factor; torch's grouped GEMM needs every row stride a multiple of 16 bytes,
+    which a small rank may not give (rank 2 in fp32, rank 4 in bf16): those run transformers' per-expert
+    fallback (one host sync)."""
+    if all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], *weight.shape[-2:])):
+        return _grouped_linear(x, weight, offsets, is_transposed=transposed)
+    return torch.ops.transformers.grouped_mm_fallback(x, weight if transposed else weight.transpose(-2, -1),
+                                                      offs=offsets)
+
+
+def split_lora_mixture(view: MoELayerView, x: torch.Tensor, weights: torch.Tensor,
+                       indices: torch.Tensor) -> torch.Tensor:
+    """The conventional top-k mixture [N, H] of packed experts carrying LoRA adapters, computed split
+    (:func:`_grouped_projection`): HF's ``grouped_mm`` experts forward step for step (pairs sorted by expert,
+    weighted on the output, restored to token order and summed over the k slots), with each projection's
+    low-rank term added. So with B = 0 (LoRA's init) it is vanilla's grouped_mm mixture bit for bit, and otherwise
+    the mixture on the merged weights ``W + scale B A`` up to float rounding (tests/methods/test_split_lora.py)."""
+    n, k = indices.shape
+    flat = indices.reshape(-1)
+    experts, order = torch.sort(flat)
+    counts = torch.zeros(view.num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # a bincount without a host sync
+    out = grouped_expert_forward(view, x[order // k], experts, counts.cumsum(0, dtype=torch.int32), split_lora=True)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    return out[restore].view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
 def _packed_glu(view: MoELayerView, gate_up: torch.Tensor) -> torch.Tensor:
