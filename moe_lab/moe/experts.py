@@ -54,12 +54,12 @@ def _grouped_projection(x: torch.Tensor, view: MoELayerView, name: str, offsets:
         weight, lora = experts.parametrizations[name].original, experts.parametrizations[name][0]
     else:
         weight = getattr(experts, name)
-    out = _grouped_linear(x, weight.to(x.dtype), offsets, bias=bias, is_transposed=transposed)
+    out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=transposed)  # in the weight's dtype, as HF
     if lora is None:
         return out
     first, second = (lora.lora_B, lora.lora_A) if transposed else (lora.lora_A, lora.lora_B)
-    low = _rank_step(_rank_step(x, first.to(x.dtype), offsets, transposed), second.to(x.dtype), offsets, transposed)
-    return out + lora.scale * low
+    x, first, second = x.to(weight.dtype), first.to(weight.dtype), second.to(weight.dtype)
+    return out + lora.scale * _rank_step(_rank_step(x, first, offsets, transposed), second, offsets, transposed)
 
 
 def _rank_step(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
