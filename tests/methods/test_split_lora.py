@@ -16,7 +16,7 @@ import torch
 
 import moe_lab
 from moe_lab.moe.block import splits_lora
-from tests.conftest import build_tiny, random_batch
+from tests.conftest import ROOT, build_tiny, random_batch
 
 LORA = {"rank": 4, "alpha": 8, "targets": ["experts", "attention"]}
 
@@ -83,3 +83,16 @@ def test_layouts_that_cannot_split_use_the_merged_weights():
 def test_bad_setting_is_refused():
     with pytest.raises(ValueError, match="method.lora.experts=fused: choose split"):
         moe_lab.apply(build_tiny("olmoe"), "sft", lora={**LORA, "experts": "fused"})
+
+
+@pytest.mark.slow
+def test_bench_flow_at_tiny_width(capsys):
+    """bench/lora_experts.py end to end at a tiny width (its numbers are for docs/results.md, not asserted): both
+    variants run in their own processes and the ratios line is printed."""
+    import runpy
+
+    bench = runpy.run_path(str(ROOT / "bench" / "lora_experts.py"))
+    bench["main"](["--hidden", "64", "--intermediate", "32", "--experts", "8", "--top-k", "2", "--tokens", "16",
+                   "--rank", "4", "--warmup", "0", "--steps", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "merged" in out and "split" in out and "split / merged: step time" in out
