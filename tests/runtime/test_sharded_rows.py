@@ -4,11 +4,12 @@ rank (tests/deepspeed_cpu.py lifts Lightning's CUDA-only checks), through ``run.
 with the row's method and options, a few steps on local data (tests/test_presets_run.py's sizes); the export is
 written and reloads, and the checkpoint says it was written under that stage.
 
-One run per distinct (task, method, ESFT score, LoRA, ZeRO stage, offload, weight decay) combination, taken from
-the presets themselves (a new preset row with a new combination is covered without editing this file): the rows
-of one combination differ only in numbers (gamma, learning rate, epochs, the dataset), which the strategy does not
-see, so one representative (the first such row, which also fixes the model family) runs each code path the
-sharded run can take. The arithmetic under sharding (equal to the unsharded run) is proven with two ranks in
+One run per distinct (task, method, ESFT score, LoRA, ZeRO stage, offload, ESFT weight decay: the slices' own
+decay on ZeRO's masters) combination, taken from the presets themselves (a new preset row with a new combination
+is covered without editing this file): the rows of one combination differ only in numbers (gamma, learning rate,
+epochs, the dataset, another method's weight decay, which AdamW applies inside ZeRO's optimizer), which the
+strategy does not see, so one representative (the first such row, which also fixes the model family) runs each
+code path the sharded run can take. The arithmetic under sharding (equal to the unsharded run) is proven with two ranks in
 test_z3_families.py, test_sharded_densemixer.py and test_slice_decay.py.
 """
 
@@ -36,8 +37,9 @@ def combination(cfg) -> tuple | None:
     if not (hasattr(strategy, "get") and str(strategy.get("_target_", "")).endswith("DeepSpeedStrategy")):
         return None
     method, optim = cfg.method, cfg.task.get("optim") or {}
+    slice_decay = method.get("method") == "esft" and bool(optim.get("weight_decay"))  # ESFT decays slices itself
     return (cfg.task.name, method.get("method"), method.get("score"), bool(method.get("lora")), int(strategy.stage),
-            bool(strategy.get("offload_optimizer")), bool(optim.get("weight_decay")))
+            bool(strategy.get("offload_optimizer")), slice_decay)
 
 
 def sharded_rows() -> dict[tuple, tuple[str, tuple[str, ...]]]:
