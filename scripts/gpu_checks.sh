@@ -24,6 +24,10 @@ TAIL=25 step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cachepro
 TAIL=12 step z3_families "${Z3_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --durations=3 tests/runtime/test_z3_families.py
 TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2 \
     ${MFU_METHODS:+--methods $MFU_METHODS}
+if [ -n "${MFU16:-}" ]; then  # issue 28's sweep: 16 layers, seq 2048 and 8192, every method (a longer step)
+    TAIL=20 step mfu16 "${MFU16_LIMIT:-300}" python3 bench/mfu.py --layers 16 --batch 1 --seq 2048,8192 --steps 4 \
+        --warmup 1 ${MFU_METHODS:+--methods $MFU_METHODS}
+fi
 for extra in "${@}"; do  # further run.py invocations given as arguments, e.g. "hardware=deepspeed_zero3 method=condenser"
     # shellcheck disable=SC2086
     step "run_$(echo "$extra" | tr -c 'a-z0-9' '_' | cut -c1-60)" "${RUN_LIMIT:-120}" python3 run.py debug=fast logger=none hardware.trainer.devices=1 \

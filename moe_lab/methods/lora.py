@@ -2,7 +2,9 @@
 
 Packed expert tensors ([E, d_out, d_in], or GPT-OSS's [E, d_in, d_out]) get one low-rank pair per
 expert through a weight parametrization ``W_e + (alpha / rank) * B_e @ A_e`` (so every mixer, including
-DenseMixer's and ESFT's slices, sees the adapted experts). ``nn.Linear`` targets (attention, shared
+DenseMixer's and ESFT's slices, sees the adapted experts). With ``experts="split"`` (the default) the
+conventional mixture and DenseMixer's inactive-expert pass never evaluate it: they run ``x W + scale (x A) B``
+on the routed rows (:func:`moe_lab.moe.experts.split_lora_mixture`); ``merged`` evaluates it once per forward. ``nn.Linear`` targets (attention, shared
 experts, dense MLPs) get the usual activation-space adapter ``W x + (alpha / rank) * B A dropout(x)``.
 Input dropout cannot be factored out of a weight parametrization, so ``dropout > 0`` is applied to the
 linear targets only (and rejected when only packed experts are targeted). B starts at zero, so the
