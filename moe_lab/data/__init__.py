@@ -1,32 +1,45 @@
 """Data layer: tokenizers, prompts, row formats (LLM-Adapters, chat, reasoning, text), packing, resumable
-loaders and the SFT / text-block DataModules."""
+loaders and the SFT / text-block DataModules.
 
-from moe_lab.data.chat import chat_prompt_ids, chat_segments
-from moe_lab.data.collate import (
-    IGNORE_INDEX,
-    OVERFLOW_POLICIES,
-    assemble,
-    encode_prompt,
-    pad_collate,
-    tokenize_example,
-)
-from moe_lab.data.datamodule import SOURCES, SFTDataModule
-from moe_lab.data.llm_adapters import load_llm_adapters
-from moe_lab.data.packing import (
-    is_packed,
-    model_inputs,
-    pack_examples,
-    packed_collate,
-    real_token_mask,
-    verify_packing,
-)
-from moe_lab.data.prompts import build_prompt, format_chat, format_prompt
-from moe_lab.data.reasoning import ReasoningFormat
-from moe_lab.data.resumable import ResumableDataLoader, ResumableSampler
-from moe_lab.data.synthetic import synthetic_math_rows
-from moe_lab.data.text import TextBlockDataModule
-from moe_lab.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer, load_tokenizer
+Each name below is imported from its module on first use (PEP 562), so importing one module of the package (the
+shipped-data resolver config composition needs, a row format) does not load Lightning and the data modules.
+"""
 
+from __future__ import annotations
+
+from importlib import import_module
+
+#: public name -> the module of this package that defines it
+EXPORTS = {
+    "BYTE_VOCAB_SIZE": "tokenizer",
+    "IGNORE_INDEX": "collate",
+    "OVERFLOW_POLICIES": "collate",
+    "ReasoningFormat": "reasoning",
+    "ResumableDataLoader": "resumable",
+    "ResumableSampler": "resumable",
+    "SFTDataModule": "datamodule",
+    "SOURCES": "datamodule",
+    "TextBlockDataModule": "text",
+    "assemble": "collate",
+    "build_byte_tokenizer": "tokenizer",
+    "build_prompt": "prompts",
+    "chat_prompt_ids": "chat",
+    "chat_segments": "chat",
+    "encode_prompt": "collate",
+    "format_chat": "prompts",
+    "format_prompt": "prompts",
+    "is_packed": "packing",
+    "load_llm_adapters": "llm_adapters",
+    "load_tokenizer": "tokenizer",
+    "model_inputs": "packing",
+    "pack_examples": "packing",
+    "packed_collate": "packing",
+    "pad_collate": "collate",
+    "real_token_mask": "packing",
+    "synthetic_math_rows": "synthetic",
+    "tokenize_example": "collate",
+    "verify_packing": "packing",
+}
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "IGNORE_INDEX",
@@ -57,3 +70,11 @@ __all__ = [
     "tokenize_example",
     "verify_packing",
 ]
+
+
+def __getattr__(name: str):
+    if name in EXPORTS:
+        value = getattr(import_module(f"{__name__}.{EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
