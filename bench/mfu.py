@@ -7,6 +7,8 @@ one model at a time, so peak memory is the method's own. MFU = model FLOPs per s
 peak, model FLOPs per token = 6 x active parameters (attention projections, router, top-k experts, lm_head)
 + 6 x layers x seq x hidden (causal attention scores and values). DenseMixer's extra forward of the inactive
 experts is not counted as model FLOPs (its MFU is conventional-SFT-equivalent work per second).
+``sft_bf16_compute`` is moe-lab sft with ``method.master_weights=optimizer``: bf16 weights for compute, fp32 masters
+in the optimizer (:mod:`moe_lab.runtime.optimizer_masters`), beside ``hf_bf16_weights`` (bf16 weights, no masters).
 
     python bench/mfu.py [--layers 4] [--batch 8] [--seq 2048,8192] [--steps 10] [--methods hf,sft,densemixer,...]
 
@@ -26,6 +28,8 @@ import time
 import torch
 import transformers
 from methods import build, optimizer  # bench/ is on sys.path when run as `python bench/mfu.py`
+
+from moe_lab.runtime.optimizer_masters import FP32MasterCopies
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 #: published throughput of other tools, as their authors measured it (not comparable model for model: read as anchors)
@@ -57,16 +61,23 @@ def peak_tflops() -> float:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), float("nan"))
 
 
+def bf16_copy(base):
+    """``base`` in bf16, for ``build`` (which copies it once more) without touching the fp32 base."""
+    return copy.deepcopy(base).to(torch.bfloat16)
+
+
 def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[float, float]:
     """(median step seconds, peak GiB allocated) of ``steps`` AdamW steps after ``warmup``."""
     gc.collect()  # nothing of the previous method may count in this one's peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     vanilla = method.startswith("hf")
+    bf16_compute = method == "sft_bf16_compute"
     model = copy.deepcopy(base).to(torch.bfloat16) if method == "hf_bf16_weights" else base if vanilla \
-        else build(method, base)
+        else build("sft", bf16_copy(base)) if bf16_compute else build(method, base)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5) if vanilla \
         else optimizer(model)
+    masters = FP32MasterCopies(opt) if bf16_compute else None
     times = []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
@@ -74,6 +85,8 @@ def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[floa
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**batch).loss
         loss.backward()
+        if masters is not None:
+            masters.gradients_to_masters()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if not vanilla:
@@ -95,7 +108,7 @@ def main():
     parser.add_argument("--seq", default="2048", help="sequence length, or a comma list to sweep (e.g. 2048,8192)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--methods", default="hf,hf_bf16_weights,sft,frozen_router,condenser,esft,densemixer,compressed_experts")
+    parser.add_argument("--methods", default="hf,hf_bf16_weights,sft,sft_bf16_compute,frozen_router,condenser,esft,densemixer,compressed_experts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mfu.py needs a CUDA GPU")

@@ -147,6 +147,9 @@ NOT_RUNNABLE = {
         "as needing no conversion (tests/runtime/test_strategies.py converts ZeRO checkpoints of DeepSpeed's CPU engine)",
     "python -m moe_lab.runtime.checkpoint_io convert <zero dir> <out>":
         "a synopsis; a ZeRO checkpoint directory is written on GPUs (tests/runtime/test_strategies.py converts CPU ones)",
+    "python run.py model=olmoe model.pretrained=/local/OLMoE-1B-7B-0924 hardware=gpu method.master_weights=optimizer":
+        "needs a GPU and the OLMoE checkpoint (tests/runtime/test_optimizer_masters.py runs the flag through run.py "
+        "on the tiny sibling, with a bitwise resume)",
     "python bench/mfu.py": "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",
     "python bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2":
         "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",

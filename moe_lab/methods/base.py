@@ -14,9 +14,10 @@ from torchmetrics.aggregation import MeanMetric
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
 from ..plain import to_plain as _plain
+from ..runtime.optimizer_masters import FP32MasterCopies, masters_of, refuse_optimizer_masters
 from ..runtime.precision import apply_master_weights, check_mode
 from ..runtime.refusals import check_fsdp_clipping, check_schedule_length
-from ..runtime.strategies import optimizer_stepped, strategy_kind
+from ..runtime.strategies import optimizer_stepped, strategy_kind, trains_expert_slices
 from .registry import apply
 from .schedules import lr_multiplier, warmup_steps_for
 from .slice_decay import ZeroSlicedWeightDecay, sliced_weight_decay
@@ -147,8 +148,18 @@ class MoELightningModule(L.LightningModule):
             return
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
+        if self.master_weights == "optimizer":
+            refuse_optimizer_masters(self.hparams.get("name") or self.method, strategy_kind(trainer.strategy),
+                                     trainer.precision, trains_expert_slices(self))
         apply_master_weights(self.model, trainer.precision, self.master_weights,
                              optimizer_keeps_fp32=isinstance(trainer.strategy, DeepSpeedStrategy))
+
+    def on_before_optimizer_step(self, optimizer):
+        """``master_weights=optimizer``: the accumulated bf16 gradients onto the fp32 masters (after the callbacks
+        read them, before Lightning clips the optimizer's parameters)."""
+        masters = masters_of(optimizer)
+        if masters is not None:
+            masters.gradients_to_masters()
 
     def on_fit_start(self):
         # from_pretrained returns the model in eval mode and Lightning (2.2+) keeps the modes it is given: train
@@ -242,6 +253,9 @@ class MoELightningModule(L.LightningModule):
                 self.zero_slice_decay = ZeroSlicedWeightDecay(optimizer, slices, wd)  # the engine steps masters
             else:
                 sliced_weight_decay(optimizer, slices, wd)
+        if self.master_weights == "optimizer" and not (
+                self._trainer is not None and strategy_kind(self.trainer.strategy).startswith("deepspeed")):
+            FP32MasterCopies(optimizer)  # the engine keeps its own masters under DeepSpeed
         s = self.scheduler_cfg
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         if not math.isfinite(total):

@@ -9,6 +9,9 @@ the strategy wraps the model:
   frozen weights keep their half-precision memory. Under a full-precision trainer (``32-true``) every
   half-precision parameter is upcast, frozen ones too (fp32 activations cannot meet bf16 weights). Under
   DeepSpeed nothing changes: its optimizer keeps fp32 master copies itself.
+- ``optimizer``: trainable bf16 parameters stay bf16 for compute, the optimizer steps fp32 master copies
+  (:mod:`.optimizer_masters`; bf16-mixed only, refused where it cannot run). Faster where autocast's per-step
+  casts of fp32 weights cost (a GPU); gradients accumulate over micro-batches in bf16.
 - ``check``: change nothing; refuse to train half-precision parameters with a plain optimizer.
 - ``off``: train parameters in their own dtype, knowingly.
 
@@ -34,7 +37,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MODES = ("fp32", "check", "off")
+MODES = ("fp32", "optimizer", "check", "off")
 HALF = (torch.bfloat16, torch.float16)
 HALF_TRUE = ("bf16-true", "16-true")
 AUTOCAST = ("bf16-mixed", "16-mixed")
@@ -67,6 +70,13 @@ def plan_master_weights(model: nn.Module, precision: str, mode: str = "fp32",
             "precision, and plain AdamW then drops updates smaller than the bf16 spacing (at lr 2e-5 most of "
             "them): use trainer.precision=bf16-mixed (fp32 master weights under bf16 autocast; model.dtype may "
             "stay bfloat16), or set method.master_weights=off to accept it")
+    if mode == "optimizer":
+        if not half_trainable:
+            raise ValueError(
+                f"method.master_weights=optimizer keeps bf16 compute weights, but no trainable parameter is half "
+                f"precision (model.dtype={_dtype_name(model.dtype)}): set model.dtype=bfloat16, or "
+                "method.master_weights=fp32")
+        return []  # the weights stay as loaded; the optimizer gets fp32 copies (optimizer_masters)
     if not half_trainable:
         return []
     dtype = _dtype_name(half_trainable[0].dtype)
@@ -88,6 +98,11 @@ def apply_master_weights(model: nn.Module, precision: str, mode: str = "fp32",
     todo = plan_master_weights(model, precision, mode, optimizer_keeps_fp32)
     if optimizer_keeps_fp32 and mode != "off":
         log.info("master weights: the strategy's optimizer keeps fp32 copies; parameters stay as loaded")
+    elif mode == "optimizer":
+        half = [p for p in model.parameters() if p.requires_grad and p.dtype in HALF]
+        log.info("master weights: %d trainable %s tensors (%d entries) stay %s for compute; the optimizer steps fp32 "
+                 "copies (method.master_weights=optimizer)", len(half), _dtype_name(half[0].dtype),
+                 sum(p.numel() for p in half), _dtype_name(half[0].dtype))
     if not todo:
         return []
     source = _dtype_name(todo[0].dtype)

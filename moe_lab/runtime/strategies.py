@@ -18,6 +18,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 
+from .optimizer_masters import refuse_optimizer_masters
+
 log = logging.getLogger(__name__)
 
 # what runs a method whose backward needs every expert's full weights (DenseMixer)
@@ -184,6 +186,8 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
         return
     method = module.hparams.get("name") or module.hparams.get("method")
     slices = trains_expert_slices(module)
+    if getattr(module, "master_weights", None) == "optimizer":
+        refuse_optimizer_masters(method, kind, precision, slices)
     if kind.startswith("deepspeed") and slices and module.optim.get("weight_decay") \
             and str(precision or "").startswith("16"):
         raise ValueError(f"method={method} under hardware={kind} with precision={precision}: the trained expert "
