@@ -1,0 +1,120 @@
+"""Expert parallelism (``moe_lab.runtime.expert_parallel``) on 2 and 4 CPU processes over gloo equals the
+single-process run of the same global batch.
+
+Each rank holds ``E / ep_size`` experts and its share of the batch; transformers' ``AllToAllEP`` carries the
+(token, expert) pairs to the experts' owners and back, DDP averages the dense gradients, and the experts' gradients
+are summed over the data-parallel replicas and divided by the world size. The reference trains the unsharded
+model on the mean of the ranks' losses. Tolerance from the arithmetic, as tests/runtime/test_sharded_densemixer.py:
+the only change is the order of float32 sums (the ranks' gradients averaged as g1/W + g2/W, the experts' outputs of
+a token summed after the all-to-all), and SGD keeps that rounding from being amplified: first loss to 1e-6, every
+gathered parameter to 1e-6 absolute.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import moe_lab
+from tests.conftest import build_tiny, random_batch
+
+pytestmark = pytest.mark.slow
+
+BATCH, STEPS, LR, CLIP = 4, 3, 5e-2, 0.5
+
+
+def _batch():
+    return random_batch(batch=BATCH, seq=8, pad_rows=())  # every rank averages over the same token count
+
+
+def _share(batch: dict, rank: int, world: int) -> dict:
+    n = BATCH // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+
+
+def _ep_run(rank: int, world: int, ep_size: int, port: int, family: str, method: str, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moe_lab.runtime import expert_parallel
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    model = build_tiny(family, output_router_logits=False).train()
+    patch = moe_lab.apply(model, method)
+    ep = expert_parallel.install(patch, ep_size)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ep.parameter_names(model))
+    wrapped = DDP(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    mine, losses = _share(_batch(), rank, world), []
+    for _ in range(STEPS):
+        loss = wrapped(**mine).loss
+        losses.append(loss.item())
+        loss.backward()
+        ep.sync_gradients()
+        ep.clip_gradients(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        patch.after_optimizer_step()
+    state = model.state_dict()  # a collective: every rank gathers the experts
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _reference(base, method: str, world: int):
+    model = copy.deepcopy(base)
+    patch = moe_lab.apply(model, method)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    batch, first = _batch(), None
+    for _ in range(STEPS):
+        shares = [model(**_share(batch, r, world)).loss for r in range(world)]
+        first = shares[0].item() if first is None else first
+        (sum(shares) / world).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
+        opt.step()
+        opt.zero_grad()
+        patch.after_optimizer_step()
+    return model, first
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("family,method,world,ep_size", [
+    ("qwen3_moe", "sft", 2, 2), ("qwen3_moe", "frozen_router", 4, 2), ("olmoe", "sft", 4, 4),
+])
+def test_expert_parallel_run_equals_the_single_process_run(family, method, world, ep_size, tmp_path):
+    base = build_tiny(family, output_router_logits=False).train()
+    reference, first = _reference(base, method, world)
+    out = tmp_path / "rank0.pt"
+    ctx = mp.get_context("spawn")
+    port = _port()
+    procs = [ctx.Process(target=_ep_run, args=(r, world, ep_size, port, family, method, str(out)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = torch.load(out)
+    assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6)  # rank 0's share, before any step
+    expected = reference.state_dict()
+    assert set(got["state"]) == set(expected)
+    moved = 0
+    for name, value in got["state"].items():
+        assert value.shape == expected[name].shape, name
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"EP{ep_size} of {world} {family} {name}: {m}")
+        moved += value.is_floating_point() and not torch.equal(value, base.state_dict()[name])
+    assert moved > 0
