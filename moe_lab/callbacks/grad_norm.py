@@ -37,6 +37,8 @@ class GradNormCallback(Callback):
       that unscale inside ``step()`` (e.g. fused Adam), whose gradients are still multiplied by the loss
       scale here. Steps the scaler will skip show ``inf``/``nan`` norms.
     * Norms are taken before Lightning's gradient clipping (which runs right after this hook).
+    * Under expert parallelism (``hardware.ep_size``) each rank holds a slice of every layer's experts: their norms
+      are summed over the EP group (one all-reduce), so every rank logs the whole model's values.
     * Sharded strategies (FSDP, DeepSpeed ZeRO) keep partial or no ``.grad`` per rank; the norms are then
       those of the local shards only (or nothing is logged when no ``.grad`` exists).
     """
@@ -72,16 +74,23 @@ class GradNormCallback(Callback):
         """``{"grad_norm/total": ..., "grad_norm/<group>": ...}`` for the current gradients ({} if none)."""
         groups = self._parameter_groups(pl_module)
         p = self.norm_type
-        names, norms = [], []  # one norm per parameter with a gradient, computed once, in fp32
+        names, norms, grads_of = [], [], []  # one norm per parameter with a gradient, computed once, in fp32
         for name, params in groups.items():
             for param in params:
                 if param.grad is not None:
                     names.append(name)
+                    grads_of.append(param)
                     norms.append(torch.linalg.vector_norm(param.grad.detach(), p, dtype=torch.float32))
         if not norms:
             return {}
         device = norms[0].device
         norms_t = torch.stack([n.to(device) for n in norms])
+        expert_parallel = getattr(getattr(pl_module, "patch", None), "expert_parallel", None)
+        if expert_parallel is not None:  # each rank holds a slice of the experts: their norms over the EP group
+            local = {id(q) for q in expert_parallel.local_parameters}
+            sliced = torch.tensor([id(q) in local for q in grads_of], device=device)
+            powers = expert_parallel.reduce_over_ep(torch.where(sliced, norms_t.double() ** p, 0.0))
+            norms_t = torch.where(sliced, powers ** (1.0 / p), norms_t.double()).float()
         values = [torch.linalg.vector_norm(norms_t, p)]
         keys = ["grad_norm/total"]
         if getattr(pl_module, "patch", None) is not None:

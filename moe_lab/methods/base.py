@@ -215,11 +215,17 @@ class MoELightningModule(L.LightningModule):
         return self._step(batch, "val")
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        """Under FSDP the gradients are sharded and Lightning's precision plugin refuses to clip by norm: the
-        FSDP root's ``clip_grad_norm_`` clips by the norm over all shards (the same global norm)."""
+        """Clipping by the norm over the whole model where each rank holds a part of it. Under FSDP the gradients
+        are sharded and Lightning's precision plugin refuses to clip by norm: the FSDP root's ``clip_grad_norm_``
+        clips by the norm over all shards. Under expert parallelism each rank's local experts are summed over its EP
+        group (:meth:`~moe_lab.runtime.expert_parallel.ExpertParallel.clip_gradients`)."""
         if gradient_clip_val and strategy_kind(self.trainer.strategy) == "fsdp":
             check_fsdp_clipping("fsdp", gradient_clip_algorithm)
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        ep = getattr(self.patch, "expert_parallel", None)
+        if ep is not None and gradient_clip_val and gradient_clip_algorithm != "value":
+            ep.clip_gradients([p for group in optimizer.param_groups for p in group["params"]], float(gradient_clip_val))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

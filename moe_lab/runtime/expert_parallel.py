@@ -27,37 +27,44 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: methods whose expert computation is the HF experts call (the seam); the others compute on the packed weights
+#: installers whose expert computation is the HF experts call (the seam); the others compute on the packed weights
 #: themselves and are refused under EP, each with its reason
-EP_METHODS = ("sft", "frozen_router", "sft_aux_free", "condenser", "condense_sft")
+EP_INSTALLERS = ("sft", "frozen_router", "condenser")
 EP_REFUSED = {
-    "densemixer": "its router gradient needs every expert's output for every token (the inactive experts' pass runs "
-                  "on the packed weights, outside the dispatched experts call)",
-    "esft_token": "its training pass runs the trained expert slices on the packed weights itself",
-    "esft_gate": "its training pass runs the trained expert slices on the packed weights itself",
+    "densemixer": "its router gradient needs every expert's output for every token, and its inactive experts' pass "
+                  "runs on the packed weights outside the dispatched experts call",
+    "esft": "its training pass runs the trained expert slices on the packed weights itself",
     "compressed_experts": "its compressed mixture runs the experts on the packed weights itself",
     "kd": "the teacher and the dense student are not expert parallel",
 }
 
 
-def check_method(method: str, ep_size: int, lora_experts: bool = False) -> None:
-    """Refuse, by name, a method (or LoRA on experts) that cannot run under ``hardware.ep_size > 1``."""
+def check_method(module, ep_size: int) -> None:
+    """Refuse, by name, a method (its installer), LoRA on experts or fp32 masters in the optimizer that cannot run
+    under ``hardware.ep_size > 1`` (plan and run call it through :func:`~.refusals.refuse_before_first_step`)."""
     if ep_size <= 1:
         return
-    if method in EP_REFUSED:
-        raise ValueError(f"method={method} under hardware.ep_size={ep_size}: {EP_REFUSED[method]}. Use hardware.ep_size=1 "
-                         "(DDP, ZeRO or FSDP), or one of the methods that run under EP: " + ", ".join(EP_METHODS))
-    if method not in EP_METHODS:
-        raise ValueError(f"method={method} under hardware.ep_size={ep_size}: not proven under expert parallelism; the "
-                         "methods that run under EP: " + ", ".join(EP_METHODS))
-    if lora_experts:
-        raise ValueError(f"method.lora on experts under hardware.ep_size={ep_size}: split LoRA runs the adapters on the "
-                         "packed expert weights outside the dispatched experts call; drop 'experts' from "
-                         "method.lora.targets or use hardware.ep_size=1")
+    hparams = getattr(module, "hparams", {})
+    name = hparams.get("name") or getattr(module, "method", None)
+    installer = "kd" if hasattr(module, "kd") else getattr(module, "method", None)
+    where = f"method={name} under hardware.ep_size={ep_size}"
+    runs = "the methods that run under EP: " + ", ".join(EP_INSTALLERS) + " (and their variants, e.g. sft_aux_free)"
+    if installer in EP_REFUSED:
+        raise ValueError(f"{where}: {EP_REFUSED[installer]}. Use hardware.ep_size=1 (DDP, ZeRO or FSDP); {runs}")
+    if installer not in EP_INSTALLERS:
+        raise ValueError(f"{where}: not proven under expert parallelism; {runs}")
+    patch = getattr(module, "patch", None)
+    if patch is not None and any(getattr(block, "split_lora", None) for block in patch.layers):
+        raise ValueError(f"{where}: LoRA on experts runs its adapters on the packed expert weights outside the "
+                         "dispatched experts call; drop 'experts' from method.lora.targets or use hardware.ep_size=1")
+    if getattr(module, "master_weights", None) == "optimizer":
+        raise ValueError(f"{where}: method.master_weights=optimizer steps fp32 copies the EP gradient reduction and "
+                         "clipping do not see; use method.master_weights=fp32")
 
 
 @dataclass
@@ -65,6 +72,7 @@ class _Sharded:
     experts: nn.Module
     names: list[str]  # the expert tensors' attribute names in ``experts``
     num_experts: int  # global
+    handles: list = field(default_factory=list)  # its state-dict hooks
 
 
 @dataclass
@@ -113,6 +121,11 @@ class ExpertParallel:
         dist.all_reduce(experts, group=self.ep_group)
         return (power(dense) + experts).pow(1.0 / norm_type).float()
 
+    def reduce_over_ep(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the EP group (in place; e.g. the local experts' squared gradient norms)."""
+        dist.all_reduce(values, group=self.ep_group)
+        return values
+
     def clip_gradients(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole expert-parallel model (its coefficient rule)."""
         params = [p for p in parameters if p.grad is not None]
@@ -124,22 +137,71 @@ class ExpertParallel:
         return total
 
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s ``state_dict`` hold the local experts' states gathered over the EP group (every rank
+        calls it, as Lightning's checkpoint dump does) and its ``load_state_dict`` keep this rank's slice."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        totals = {id(getattr(s.experts, n)): s.num_experts for s in self.sharded for n in s.names}
+        experts = {i: totals[id(p)] for i, p in enumerate(params) if id(p) in totals}
+
+        def gather(opt, state_dict):
+            for i in sorted(experts):
+                entry = state_dict["state"].get(i)
+                if entry is not None:
+                    state_dict["state"][i] = {k: self._gather(v, experts[i]) for k, v in entry.items()}
+            return state_dict
+
+        def keep_local(opt, state_dict):
+            state_dict = dict(state_dict)
+            state_dict["state"] = dict(state_dict["state"])
+            for i in sorted(experts):
+                entry = state_dict["state"].get(i)
+                if entry is not None:
+                    state_dict["state"][i] = {k: self._local(v, experts[i]) for k, v in entry.items()}
+            return state_dict
+
+        optimizer.register_state_dict_post_hook(gather)
+        optimizer.register_load_state_dict_pre_hook(keep_local)
+
+    def _gather(self, value, total: int):
+        local = total // self.ep_size
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != local:
+            return value
+        parts = [torch.empty_like(value) for _ in range(self.ep_size)]
+        dist.all_gather(parts, value.contiguous(), group=self.ep_group)
+        return torch.cat(parts, dim=0)
+
+    def _local(self, value, total: int):
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != total:
+            return value
+        local = total // self.ep_size
+        return value[self.ep_rank * local:(self.ep_rank + 1) * local].clone()
+
+    @torch.no_grad()
+    def uninstall(self) -> None:
+        """Every rank takes part in gathering the whole experts back into each experts module, whose own forward
+        and expert count return: after fit, for the export and anything that runs the model on one rank."""
+        for shard in self.sharded:
+            for name in shard.names:
+                param = getattr(shard.experts, name)
+                param.data = self._gather(param.data, shard.num_experts)
+            shard.experts.num_experts = shard.num_experts
+            del shard.experts.forward
+            for handle in shard.handles:
+                handle.remove()
+        self.sharded = []
+
+
 def _shard_hooks(state: ExpertParallel, shard: _Sharded):
     def gather(module, state_dict, prefix, local_metadata):
         for name in shard.names:
-            key = prefix + name
-            local = state_dict[key]
-            parts = [torch.empty_like(local) for _ in range(state.ep_size)]
-            dist.all_gather(parts, local.contiguous(), group=state.ep_group)
-            state_dict[key] = torch.cat(parts, dim=0)
+            state_dict[prefix + name] = state._gather(state_dict[prefix + name], shard.num_experts)
 
     def keep_local(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for name in shard.names:
             key = prefix + name
-            value = state_dict.get(key)
-            if value is not None and value.shape[0] == shard.num_experts:
-                local = value.shape[0] // state.ep_size
-                state_dict[key] = value[state.ep_rank * local:(state.ep_rank + 1) * local]
+            if key in state_dict:
+                state_dict[key] = state._local(state_dict[key], shard.num_experts)
 
     return gather, keep_local
 
@@ -181,11 +243,39 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
         engine = AllToAllEP(experts, mesh["ep"], mesh["tp"])
         experts.forward = engine
         gather, keep_local = _shard_hooks(state, shard)
-        experts._register_state_dict_hook(gather)
-        experts._register_load_state_dict_pre_hook(keep_local, with_module=True)
+        shard.handles = [experts._register_state_dict_hook(gather),
+                         experts._register_load_state_dict_pre_hook(keep_local, with_module=True)]
         state.sharded.append(shard)
     log.info("expert parallel: %d layers, %d of %d experts on EP rank %d of %d (%d data-parallel replicas); "
              "dispatch: transformers AllToAllEP", len(state.sharded), local, total, state.ep_rank, ep_size,
              world // ep_size)
     patch.expert_parallel = state
     return state
+
+
+class ExpertParallelHooks(Callback):
+    """The Lightning side of ``hardware.ep_size``: install EP at ``setup`` (after the process group exists, before
+    DDP wraps the module, whose reducer then skips the expert tensors), make the optimizer's state gather and slice
+    the experts at fit start (before a resumed state loads), and sum the experts' gradients at each window's last
+    backward (before the callbacks read them and the module clips them, :meth:`ExpertParallel.clip_gradients`)."""
+
+    def __init__(self, ep_size: int):
+        self.ep_size = int(ep_size)
+        self.state: ExpertParallel | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.state is not None:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.state = install(pl_module.patch, self.ep_size, trainer.strategy.root_device.type)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            pl_module, self.state.parameter_names(pl_module))
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for optimizer in trainer.optimizers:
+            self.state.attach_optimizer(optimizer)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if not trainer.fit_loop._should_accumulate():
+            self.state.sync_gradients()

@@ -11,6 +11,7 @@ import math
 from omegaconf import DictConfig, OmegaConf
 
 from ..moe.experts_backend import refuse_method_backend
+from .expert_parallel import check_method
 from .preflight import check_numbers
 from .strategies import config_strategy_kind, refuse_unsupported
 
@@ -30,6 +31,7 @@ def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | N
     refuse_method_backend(OmegaConf.select(cfg, "method.method"), OmegaConf.select(cfg, "model.experts_implementation"))
     kind = config_strategy_kind(cfg.hardware.trainer)
     refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
+    refuse_expert_parallel(module, kind, ep_size(cfg))
     if OmegaConf.select(cfg, "task.trainer.gradient_clip_val", default=None):
         check_fsdp_clipping(kind, OmegaConf.select(cfg, "task.trainer.gradient_clip_algorithm", default=None))
     if getattr(module, "export_only", False):
@@ -43,6 +45,21 @@ def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | N
     if updater is not None and updater.pending and updater.selection == "in_run":
         accumulate = int(OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1)
         check_in_run_choice(updater, optimizer_steps, accumulate)
+
+
+def ep_size(cfg: DictConfig) -> int:
+    """``hardware.ep_size`` (1 where the hardware config has none)."""
+    return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)
+
+
+def refuse_expert_parallel(module, kind: str, size: int) -> None:
+    """``hardware.ep_size > 1`` composes with DDP for the dense part, for the methods that run under EP."""
+    if size <= 1:
+        return
+    if kind != "ddp":
+        raise ValueError(f"hardware.ep_size={size} under a {kind} strategy: expert parallelism composes with DDP for the "
+                         "dense part (hardware=gpu_ep, or ddp_cpu_ep on CPU); ZeRO and FSDP with EP are not built")
+    check_method(module, size)
 
 
 def check_fsdp_clipping(kind: str, algorithm: str | None) -> None:

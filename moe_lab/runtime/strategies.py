@@ -209,11 +209,16 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
                              "tensors, which FSDP flattens and shards: use hardware=gpu_ddp or deepspeed_zero2/3")
 
 
-def prepare(trainer, module) -> None:
+def prepare(trainer, module, ep_size: int = 1) -> None:
     """Before ``trainer.fit``: refuse unsupported method x strategy pairs, mark ZeRO-3 leaf modules, set FSDP's
-    wrapping (one unit per decoder layer) and fp32 master weights, and keep routing buffers in fp32."""
+    wrapping (one unit per decoder layer) and fp32 master weights, keep routing buffers in fp32, and install
+    expert parallelism (``ep_size > 1``, :class:`~.expert_parallel.ExpertParallelHooks`)."""
     strategy = trainer.strategy
     kind = strategy_kind(strategy)
+    if ep_size > 1:
+        from .expert_parallel import ExpertParallelHooks
+
+        trainer.callbacks.append(ExpertParallelHooks(ep_size))
     if kind in ("single", "ddp") or not hasattr(getattr(module, "model", None), "config"):
         return
     _refuse(module, strategy)
@@ -263,6 +268,10 @@ def gather_full_weights(trainer, module) -> None:
     full weights, and rank zero puts CPU copies of them into ``module``'s parameters, so that the export (and
     anything else rank zero reads after training) sees whole tensors. A no-op under other strategies."""
     kind = strategy_kind(trainer.strategy)
+    expert_parallel = getattr(getattr(module, "patch", None), "expert_parallel", None)
+    if expert_parallel is not None:
+        expert_parallel.uninstall()  # every rank gathers the experts back: whole tensors, HF's own forward
+        return
     params = list(module.parameters())
     if kind == "deepspeed_zero3":
         import deepspeed

@@ -29,7 +29,7 @@ from .checkpoint_io import (
     read_checkpoint,
 )
 from .precision import export_in_load_dtype
-from .refusals import refuse_before_first_step
+from .refusals import ep_size, refuse_before_first_step
 from .resume import (
     History,
     LastStepCheckpoint,
@@ -129,7 +129,7 @@ def _finetune(cfg: DictConfig) -> dict:
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
     requeue = slurm.SubmititRequeue()
     trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg), LastStepCheckpoint()])
-    prepare(trainer, module)
+    prepare(trainer, module, ep_size(cfg))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     except SIGTERMException:

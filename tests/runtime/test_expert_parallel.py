@@ -26,6 +26,8 @@ from tests.conftest import build_tiny, random_batch
 pytestmark = pytest.mark.slow
 
 BATCH, STEPS, LR, CLIP = 4, 3, 5e-2, 0.5
+#: condenser: biases from the loads of every rank's tokens, condensers chosen after the second update, in the run
+OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 2}}
 
 
 def _batch():
@@ -47,7 +49,7 @@ def _ep_run(rank: int, world: int, ep_size: int, port: int, family: str, method:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     model = build_tiny(family, output_router_logits=False).train()
-    patch = moe_lab.apply(model, method)
+    patch = moe_lab.apply(model, method, **OPTIONS.get(method, {}))
     ep = expert_parallel.install(patch, ep_size)
     DDP._set_params_and_buffers_to_ignore_for_model(model, ep.parameter_names(model))
     wrapped = DDP(model)
@@ -64,14 +66,14 @@ def _ep_run(rank: int, world: int, ep_size: int, port: int, family: str, method:
         patch.after_optimizer_step()
     state = model.state_dict()  # a collective: every rank gathers the experts
     if rank == 0:
-        torch.save({"losses": losses, "state": state}, out)
+        torch.save({"losses": losses, "state": state, "forced": _forced(patch)}, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def _reference(base, method: str, world: int):
     model = copy.deepcopy(base)
-    patch = moe_lab.apply(model, method)
+    patch = moe_lab.apply(model, method, **OPTIONS.get(method, {}))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch, first = _batch(), None
     for _ in range(STEPS):
@@ -82,7 +84,12 @@ def _reference(base, method: str, world: int):
         opt.step()
         opt.zero_grad()
         patch.after_optimizer_step()
-    return model, first
+    return model, first, _forced(patch)
+
+
+def _forced(patch) -> list[list[int]]:
+    """Each layer's condensers (experts forced into every token's set; empty for other methods)."""
+    return [block.forced_experts for block in patch.layers]
 
 
 def _port() -> int:
@@ -93,10 +100,11 @@ def _port() -> int:
 
 @pytest.mark.parametrize("family,method,world,ep_size", [
     ("qwen3_moe", "sft", 2, 2), ("qwen3_moe", "frozen_router", 4, 2), ("olmoe", "sft", 4, 4),
+    ("qwen3_moe", "condenser", 2, 2),
 ])
 def test_expert_parallel_run_equals_the_single_process_run(family, method, world, ep_size, tmp_path):
     base = build_tiny(family, output_router_logits=False).train()
-    reference, first = _reference(base, method, world)
+    reference, first, forced = _reference(base, method, world)
     out = tmp_path / "rank0.pt"
     ctx = mp.get_context("spawn")
     port = _port()
@@ -109,12 +117,13 @@ def test_expert_parallel_run_equals_the_single_process_run(family, method, world
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     got = torch.load(out)
     assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6)  # rank 0's share, before any step
+    assert got["forced"] == forced and (method != "condenser" or all(forced))
     expected = reference.state_dict()
     assert set(got["state"]) == set(expected)
-    moved = 0
+    moved, before = 0, base.state_dict()
     for name, value in got["state"].items():
         assert value.shape == expected[name].shape, name
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6,
                                    msg=lambda m, name=name: f"EP{ep_size} of {world} {family} {name}: {m}")
-        moved += value.is_floating_point() and not torch.equal(value, base.state_dict()[name])
+        moved += name in before and value.is_floating_point() and not torch.equal(value, before[name])
     assert moved > 0
