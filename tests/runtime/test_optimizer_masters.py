@@ -93,9 +93,9 @@ def test_bf16_weights_step_fp32_masters_exactly_like_the_oracle(caplog, one_thre
     assert finer > 0.5 * sum(m.numel() for _, m in masters.pairs)
 
 
-def test_fp32_mode_and_optimizer_mode_take_the_same_first_step_up_to_bf16_rounding():
+def test_fp32_mode_and_optimizer_mode_take_the_same_steps_up_to_bf16_rounding():
     """The two modes differ only in where the fp32 values live: after one step the fp32 mode's parameters, rounded
-    to bf16, are the optimizer mode's within one bf16 spacing (the gradients differ by bf16 accumulation only)."""
+    to bf16, are the optimizer mode's within a few bf16 spacings (the gradients differ by bf16 accumulation only)."""
     base = _bf16_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     _fit(a, master_weights="fp32")
@@ -159,13 +159,13 @@ def test_run_py_trains_resumes_bitwise_and_exports_in_bf16(tmp_path):
     from tests.test_run import run_py
 
     common = ("debug=fast", "~callbacks.expert_load", "model.dtype=bfloat16", "hardware.trainer.precision=bf16-mixed",
-              "method.master_weights=optimizer", "task.checkpoint_every_n_steps=2", "dataset.num_examples=64")
-    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
-    proc = run_py(*common, "task.trainer.max_steps=4", f"hydra.run.dir={straight}", cwd=tmp_path)
+              "method.master_weights=optimizer", "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2",
+              "dataset.num_examples=64", "task.trainer.max_steps=4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = run_py(*common, f"hydra.run.dir={straight}", cwd=tmp_path)
     assert "the optimizer steps fp32 copies (method.master_weights=optimizer)" in proc.stdout + proc.stderr
-    run_py(*common, "task.trainer.max_steps=2", f"hydra.run.dir={first}", cwd=tmp_path)
-    run_py(*common, "task.trainer.max_steps=4", f"task.ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
-           f"hydra.run.dir={resumed}", cwd=tmp_path)
+    run_py(*common, f"task.ckpt_path={straight / 'checkpoints' / 'step-2.ckpt'}", f"hydra.run.dir={resumed}",
+           cwd=tmp_path)
     a = safetensors.torch.load_file(straight / "export" / "model.safetensors")
     b = safetensors.torch.load_file(resumed / "export" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

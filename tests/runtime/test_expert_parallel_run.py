@@ -1,0 +1,98 @@
+"""``python run.py hardware=ddp_cpu_ep`` (expert parallelism on 2 CPU processes) as a user runs it: it trains what
+the same run under plain DDP trains (the EP math against the single process is tests/runtime/test_expert_parallel.py),
+resumes bitwise from its own checkpoint, resumes under EP 1 (plain DDP) from it, and exports a vanilla checkpoint;
+what cannot run under EP is refused by name, in the plan and the run."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from moe_lab.runtime import expert_parallel
+from moe_lab.runtime.refusals import refuse_expert_parallel
+from tests.test_run import run_py
+
+COMMON = ("debug=fast", "model=tiny_qwen3_moe", "~callbacks.expert_load", "task.checkpoint_every_n_steps=3",
+          "task.keep_last_checkpoints=2")
+
+
+def _export(run: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(run / "export" / "model.safetensors")
+
+
+def _losses(run: Path) -> list[float]:
+    with open(run / "metrics.csv") as f:
+        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+@pytest.mark.slow
+def test_ep_run_equals_the_ddp_run_resumes_bitwise_and_under_ep_1(tmp_path):
+    ep, ddp, resumed, as_ddp = (tmp_path / n for n in ("ep", "ddp", "resumed", "as_ddp"))
+    proc = run_py(*COMMON, "hardware=ddp_cpu_ep", f"hydra.run.dir={ep}", cwd=tmp_path)
+    assert "4 of 8 experts on EP rank 0 of 2" in proc.stdout + proc.stderr
+    run_py(*COMMON, "hardware=ddp_cpu", f"hydra.run.dir={ddp}", cwd=tmp_path)
+    # EP changes where the experts live and the order of float32 sums, nothing else (clipping at 1.0 included)
+    assert _losses(ep) == pytest.approx(_losses(ddp), rel=1e-6, abs=1e-6) and len(_losses(ep)) == 6
+    a, b = _export(ep), _export(ddp)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    # the export is whole: every expert, in vanilla transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(ep / "export")
+    packed = [m.gate_up_proj for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert packed and all(t.shape[0] == 8 for t in packed)
+
+    middle = ep / "checkpoints" / "step-3.ckpt"  # the EP run's checkpoint at step 3 of 6
+    ckpt = torch.load(middle, weights_only=True)
+    expert_keys = [k for k in ckpt["state_dict"] if k.endswith("experts.gate_up_proj")]
+    assert expert_keys and all(ckpt["state_dict"][k].shape[0] == 8 for k in expert_keys)  # whole, not rank 0's half
+    assert {s["exp_avg"].shape[0] for s in ckpt["optimizer_states"][0]["state"].values()
+            if s["exp_avg"].dim() == 3} == {8}
+    resume = f"task.ckpt_path={middle}"
+    run_py(*COMMON, "hardware=ddp_cpu_ep", resume, f"hydra.run.dir={resumed}", cwd=tmp_path)
+    c = _export(resumed)
+    assert all(torch.equal(a[k], c[k]) for k in a), "EP resume is not bitwise"
+    run_py(*COMMON, "hardware=ddp_cpu", resume, f"hydra.run.dir={as_ddp}", cwd=tmp_path)  # EP 2 -> EP 1
+    d = _export(as_ddp)
+    for key in a:
+        torch.testing.assert_close(d[key], a[key], rtol=0, atol=1e-6, msg=key)
+
+
+class _Module:
+    def __init__(self, method, name=None, **attrs):
+        self.method, self.hparams, self.patch = method, {"name": name or method}, None
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize("method,reason", [
+    ("densemixer", "every expert's output for every token"), ("esft", "trained expert slices"),
+    ("compressed_experts", "compressed mixture"), ("mystery", "not proven under expert parallelism"),
+])
+def test_methods_that_cannot_run_under_ep_are_refused_by_name(method, reason):
+    with pytest.raises(ValueError, match=rf"method={method} under hardware.ep_size=2: .*{reason}.*sft, frozen_router, "
+                                         "condenser"):
+        expert_parallel.check_method(_Module(method), 2)
+    expert_parallel.check_method(_Module(method), 1)  # no EP: nothing to refuse
+
+
+def test_ep_refusals_for_strategy_masters_and_kd():
+    with pytest.raises(ValueError, match=r"hardware.ep_size=8 under a deepspeed_zero3 strategy.*hardware=gpu_ep"):
+        refuse_expert_parallel(_Module("sft"), "deepspeed_zero3", 8)
+    with pytest.raises(ValueError, match=r"master_weights=optimizer.*master_weights=fp32"):
+        expert_parallel.check_method(_Module("sft", master_weights="optimizer"), 2)
+    with pytest.raises(ValueError, match=r"method=kd under hardware.ep_size=2: the teacher"):
+        expert_parallel.check_method(_Module("sft", name="kd", kd={}), 2)
+    refuse_expert_parallel(_Module("condenser"), "ddp", 2)
+
+
+@pytest.mark.slow
+def test_plan_refuses_a_method_under_ep_as_the_run_does(tmp_path):
+    proc = run_py("debug=fast", "model=tiny_qwen3_moe", "hardware=ddp_cpu_ep", "method=densemixer", "plan=true",
+                  f"hydra.run.dir={tmp_path / 'plan'}", cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "method=densemixer under hardware.ep_size=2: its router gradient needs every expert's output" in proc.stderr
