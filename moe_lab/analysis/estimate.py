@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("sft", "densemixer", "condenser_replace", "condenser_append", "compressed_experts", "esft", "lora",
            "kd", "dense_student")
-STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
+STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "ep")
 
 
 @dataclass
@@ -135,29 +135,40 @@ def dense_student(model):
 
 
 def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, param_bytes: int,
-           grad_bytes: int, optimizer_bytes: int, frozen_extra: int = 0) -> list[dict]:
+           grad_bytes: int, optimizer_bytes: int, frozen_extra: int = 0, tokens: int = 0, elem: int = 2) -> list[dict]:
     """GPU (and CPU) memory per rank for each strategy, with and without activation checkpointing, in GiB
     (bytes / 2**30; the ``*_gb`` keys).
 
     Weights ``param_bytes * P`` (+ a frozen teacher for KD), gradients ``grad_bytes * T``, optimizer
     ``optimizer_bytes * T`` (fp32 master + Adam moments = 12). ZeRO-2 shards gradients and optimizer; ZeRO-3 and
     FSDP (full shard) shard everything and gather one layer at a time (twice the largest layer, prefetch);
-    ZeRO-3 offload keeps parameters, gradients and optimizer states on the CPU.
+    ZeRO-3 offload keeps parameters, gradients and optimizer states on the CPU. ``ep``: expert parallelism over the
+    ``gpus`` ranks with DDP for the dense part: each rank holds 1/gpus of the routed experts (and of their gradients
+    and optimizer state; trained experts first in ``trainable``), the rest whole; activations as DDP's (each rank
+    runs its own tokens' share of expert work). Its row adds ``all_to_all_gb``: the bytes one rank sends per
+    micro-batch of ``tokens`` tokens (dispatch and combine, forward and backward: 4 x tokens x top_k x hidden x
+    ``elem`` per MoE layer, the share (gpus - 1) / gpus that leaves the rank; 0 for the other rows).
     """
     p = counts.total + frozen_extra
     layer = 2 * max(counts.per_layer_total.values()) * param_bytes
     w, g, o = p * param_bytes, trainable * grad_bytes, trainable * optimizer_bytes
+    routed = sum(s.num_experts * s.matmul_params_per_expert for s in counts.experts)
+    routed_trained = min(routed, trainable)
+    kept = 1 - 1 / gpus  # the share of an EP rank's experts (and of its all-to-all rows) that lives elsewhere
+    ep = (w - routed * param_bytes * kept, g - routed_trained * grad_bytes * kept,
+          o - routed_trained * optimizer_bytes * kept)
+    exchanged = 4 * tokens * sum(s.top_k * s.hidden for s in counts.experts) * elem * kept
     rows = []
     for strategy in STRATEGIES:
         gpu = {"ddp": (w, g, o), "zero2": (w, g / gpus, o / gpus), "zero3": (w / gpus + layer, g / gpus, o / gpus),
-               "fsdp": (w / gpus + layer, g / gpus, o / gpus), "zero3_offload": (layer, 0, 0)}[strategy]
+               "fsdp": (w / gpus + layer, g / gpus, o / gpus), "zero3_offload": (layer, 0, 0), "ep": ep}[strategy]
         cpu = w + g + o if strategy == "zero3_offload" else 0
         for ckpt in (False, True):
             act = act_bytes["checkpointed" if ckpt else "full"]
             rows.append({"strategy": strategy, "activation_checkpointing": ckpt, "gpus": gpus,
                          "params_gb": gpu[0] / 2**30, "grads_gb": gpu[1] / 2**30, "optimizer_gb": gpu[2] / 2**30,
                          "activations_gb": act / 2**30, "gpu_total_gb": (sum(gpu) + act) / 2**30,
-                         "cpu_gb": cpu / 2**30})
+                         "cpu_gb": cpu / 2**30, "all_to_all_gb": exchanged / 2**30 if strategy == "ep" else 0.0})
     return rows
 
 
@@ -285,7 +296,8 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
             "ratio_to_sft": (c["flops_per_token_forward"] + c["flops_per_token_backward"]) /
             (costs["sft"]["flops_per_token_forward"] + costs["sft"]["flops_per_token_backward"]),
             "memory": memory(s_counts, c["params_trainable"], act, gpus=gpus, param_bytes=param_bytes,
-                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, frozen_extra=teacher),
+                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, frozen_extra=teacher,
+                             tokens=batch * seq_len, elem=elem),
         }
     t = trained.tokens
     active_layer = counts.per_layer_active()

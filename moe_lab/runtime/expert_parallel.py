@@ -44,6 +44,13 @@ EP_REFUSED = {
 }
 
 
+def ep_size(cfg) -> int:
+    """``hardware.ep_size`` of a run config (1 where the hardware config has none)."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)
+
+
 def check_method(module, ep_size: int) -> None:
     """Refuse, by name, a method (its installer), LoRA on experts or fp32 masters in the optimizer that cannot run
     under ``hardware.ep_size > 1`` (plan and run call it through :func:`~.refusals.refuse_before_first_step`)."""

@@ -283,6 +283,10 @@ def plan(cfg: DictConfig) -> dict:
                      f"{'on' if est['checkpointing'] else 'off'}){verdict}"
                      + (f"; fits on {est['alternatives_gpus']} GPUs: {', '.join(fitting(est, memory)) or 'none'}"
                         if memory is not None else ""))
+        if "ep_size" in est:
+            lines.append(f"expert parallel: EP groups of {est['ep_size']} ranks, each holding 1/{est['ep_size']} of "
+                         f"the routed experts; all-to-all {est['all_to_all_gb']:.2f} GiB sent per rank per micro-batch "
+                         "(dispatch and combine, forward and backward)")
     evals = eval_plan(cfg)
     summary["eval"] = evals
     lines += [f"eval: {name}: {where}" for name, where in evals] or ["eval: none"]

@@ -11,7 +11,7 @@ import math
 from omegaconf import DictConfig, OmegaConf
 
 from ..moe.experts_backend import refuse_method_backend
-from .expert_parallel import check_method
+from .expert_parallel import check_method, ep_size
 from .preflight import check_numbers
 from .strategies import config_strategy_kind, refuse_unsupported
 
@@ -45,11 +45,6 @@ def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | N
     if updater is not None and updater.pending and updater.selection == "in_run":
         accumulate = int(OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1)
         check_in_run_choice(updater, optimizer_steps, accumulate)
-
-
-def ep_size(cfg: DictConfig) -> int:
-    """``hardware.ep_size`` (1 where the hardware config has none)."""
-    return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)
 
 
 def refuse_expert_parallel(module, kind: str, size: int) -> None:

@@ -28,8 +28,9 @@ from .checkpoint_io import (
     check_resumable,
     read_checkpoint,
 )
+from .expert_parallel import ep_size
 from .precision import export_in_load_dtype
-from .refusals import ep_size, refuse_before_first_step
+from .refusals import refuse_before_first_step
 from .resume import (
     History,
     LastStepCheckpoint,

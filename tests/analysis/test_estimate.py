@@ -51,6 +51,20 @@ def test_qwen3_active_by_hand():
     assert c.router == layers * e * h
 
 
+def test_expert_parallel_row_by_hand(big):
+    """EP8 with DDP for the dense part, Qwen3-30B-A3B: the ddp row less 7/8 of the routed experts' weights,
+    gradients and optimizer state (2 + 2 + 12 bytes each), and an all-to-all of 4 x tokens x k x H x 2 bytes per
+    layer of which 7/8 leaves the rank."""
+    h, i, layers, e, k, tokens = 2048, 768, 48, 128, 8, 16
+    routed = layers * e * 3 * h * i
+    rows = {r["strategy"]: r for r in big["qwen3_moe"]["methods"]["sft"]["memory"] if not r["activation_checkpointing"]}
+    ddp, ep = rows["ddp"], rows["ep"]
+    for key, per in (("params_gb", 2), ("grads_gb", 2), ("optimizer_gb", 12)):
+        assert ep[key] == pytest.approx(ddp[key] - routed * per * 7 / 8 / 2**30, rel=1e-12), key
+    assert ep["activations_gb"] == ddp["activations_gb"]
+    assert ep["all_to_all_gb"] == pytest.approx(4 * tokens * k * h * 2 * layers * 7 / 8 / 2**30, rel=1e-12)
+
+
 @pytest.fixture(scope="module")
 def big():
     return {n: estimate(real_config(n), seq_len=16, batch=1, opts=Options())

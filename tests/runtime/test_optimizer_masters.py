@@ -94,7 +94,7 @@ def test_bf16_weights_step_fp32_masters_exactly_like_the_oracle(caplog, one_thre
 
 
 def test_fp32_mode_and_optimizer_mode_take_the_same_steps_up_to_bf16_rounding():
-    """The two modes differ only in where the fp32 values live: after one step the fp32 mode's parameters, rounded
+    """The two modes differ only in where the fp32 values live: after two steps the fp32 mode's parameters, rounded
     to bf16, are the optimizer mode's within a few bf16 spacings (the gradients differ by bf16 accumulation only)."""
     base = _bf16_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)

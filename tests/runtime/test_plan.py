@@ -301,3 +301,17 @@ def test_memory_preflight_of_a_top1_family(h100, caplog):
     assert memory_fit.memory_estimate(cfg, 1)["gpu_gb"] > 0
     with pytest.raises(ValueError, match="compressed_experts is not defined for this model's routing"):
         memory_fit.memory_estimate(_gpu_run("model=tiny_llama4_text", "method=compressed_experts"), 1)
+
+
+def test_plan_under_expert_parallelism_shows_the_ep_memory_and_all_to_all(tmp_path, capsys):
+    """hardware=gpu_ep (EP8 over 8 GPUs, DDP for the dense part): the plan's memory is the estimate's ep row, with the
+    all-to-all volume per micro-batch; a method that cannot run under EP is refused there, as in the run."""
+    summary = _plan("condenser/s1_qwen3", tmp_path, "hardware=gpu_ep", "method=condenser")
+    out = capsys.readouterr().out
+    memory = summary["memory"]
+    assert memory["strategy"] == "ep" and memory["hardware"] == "gpu_ep" and memory["ep_size"] == 8
+    assert dict(memory["options"])["gpu_ep"] == pytest.approx(memory["gpu_gb"])
+    assert f"all-to-all {memory['all_to_all_gb']:.2f} GiB sent per rank per micro-batch" in out
+    assert "expert parallel: EP groups of 8 ranks" in out
+    with pytest.raises(ValueError, match="method=densemixer under hardware.ep_size=8"):
+        _plan("condenser/s1_qwen3", tmp_path / "dm", "hardware=gpu_ep", "method=densemixer")
