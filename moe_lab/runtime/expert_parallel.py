@@ -213,6 +213,16 @@ def _shard_hooks(state: ExpertParallel, shard: _Sharded):
     return gather, keep_local
 
 
+def ep_groups(world: int, ep_size: int) -> list[list[int]]:
+    """The EP groups of a world: consecutive global ranks, ``ep_size`` each (the mesh :func:`install` builds), so on
+    nodes of ``ep_size`` (or a multiple of it) GPUs every all-to-all stays inside a node; the ranks of one EP group
+    hold every expert once, and the ranks at the same position of each group (a data-parallel group) the same ones."""
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"hardware.ep_size={ep_size} must divide the world size {world} (hardware.trainer.devices x "
+                         "hardware.trainer.num_nodes)")
+    return [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+
+
 def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
     """Shard every MoE layer's experts of ``patch`` over EP groups of ``ep_size`` ranks (consecutive global ranks)
     and dispatch them with transformers' ``AllToAllEP``. Needs an initialised process group whose world size is a
@@ -224,10 +234,10 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
         raise ValueError(f"hardware.ep_size={ep_size} needs a distributed run: set hardware.trainer.devices (a "
                          "multiple of ep_size) under a DDP strategy")
     world = dist.get_world_size()
-    if world % ep_size:
-        raise ValueError(f"hardware.ep_size={ep_size} must divide the world size {world} (hardware.trainer.devices x "
-                         "nodes)")
+    groups = ep_groups(world, ep_size)
     mesh = init_device_mesh(device_type, (world // ep_size, ep_size, 1), mesh_dim_names=("dp", "ep", "tp"))
+    if dist.get_process_group_ranks(mesh["ep"].get_group()) not in groups:  # the layout the docs and plan describe
+        raise RuntimeError(f"EP group {dist.get_process_group_ranks(mesh['ep'].get_group())} is not one of {groups}")
     state = ExpertParallel(ep_size=ep_size, ep_rank=mesh["ep"].get_local_rank(), ep_group=mesh["ep"].get_group(),
                            dp_group=mesh["dp"].get_group(), world=world)
     for view in patch.views:

@@ -268,3 +268,46 @@ def test_trainer_gets_slurm_environment_without_lightning_requeue_inside_a_job(m
     monkeypatch.setenv("SLURM_JOB_NAME", "run")
     (env,) = cluster_plugins()
     assert isinstance(env, SLURMEnvironment) and env.auto_requeue is False
+
+
+def test_ep_grid_config_places_each_ep_group_on_one_node():
+    """hardware=gpu_ep on 2 nodes of 8 GPUs under hydra/launcher=slurm: 8 tasks per node, 16 ranks, EP groups of 8
+    consecutive ranks, so each group (every expert once) sits on one node and its all-to-all never leaves it; the
+    data-parallel groups (the same experts) pair rank r with rank r + 8 across the nodes."""
+    from hydra import compose, initialize_config_dir
+
+    from moe_lab.runtime import slurm
+    from moe_lab.runtime.expert_parallel import ep_groups
+
+    slurm.register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True,
+                      overrides=["hydra/launcher=slurm", "hardware=gpu_ep", "hardware.trainer.num_nodes=2"])
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
+    world = launcher.nodes * launcher.tasks_per_node
+    groups = ep_groups(world, cfg.hardware.ep_size)
+    assert groups == [list(range(8)), list(range(8, 16))]
+    assert all(len({rank // launcher.tasks_per_node for rank in group}) == 1 for group in groups)
+    with pytest.raises(ValueError, match=r"hardware.ep_size=3 must divide the world size 16"):
+        ep_groups(world, 3)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_expert_parallel_job_runs_as_two_slurm_tasks(cluster, tmp_path):
+    """hardware=ddp_cpu_ep as a SLURM job: 2 tasks, one EP group of 2 ranks (each holding 4 of 8 experts), a
+    whole export."""
+    sweep = tmp_path / "sweep"
+    proc = multirun(*TINY, "model=tiny_qwen3_moe", "hardware=ddp_cpu_ep", sweep=sweep, cwd=tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n{diagnostics(sweep)}"
+    (job,) = _jobs(sweep)
+    assert json.loads((job / "summary.json").read_text())["global_step"] == 6
+    (script,) = sweep.glob(".submitit/*/*_submission.sh")
+    assert "#SBATCH --ntasks-per-node=2" in script.read_text()
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
+    assert "4 of 8 experts on EP rank 0 of 2" in logs and "4 of 8 experts on EP rank 1 of 2" in logs, diagnostics(sweep)
+    import safetensors.torch
+
+    export = safetensors.torch.load_file(job / "export" / "model.safetensors")
+    assert all(t.shape[0] == 8 for k, t in export.items() if k.endswith("experts.gate_up_proj"))
