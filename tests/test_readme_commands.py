@@ -150,6 +150,14 @@ NOT_RUNNABLE = {
     "python run.py model=olmoe model.pretrained=/local/OLMoE-1B-7B-0924 hardware=gpu method.master_weights=optimizer":
         "needs a GPU and the OLMoE checkpoint (tests/runtime/test_optimizer_masters.py runs the flag through run.py "
         "on the tiny sibling, with a bitwise resume)",
+    "python run.py hardware=gpu_ep model=qwen3_moe model.pretrained=/local/Qwen3-30B-A3B method=condenser":
+        "needs 8 GPUs and the Qwen3-30B-A3B checkpoint (tests/runtime/test_expert_parallel_run.py runs hardware=ddp_cpu_ep)",
+    "python run.py hardware=ddp_cpu_ep model=tiny_qwen3_moe":
+        "2 DDP processes, which Lightning starts by re-running the command line: tests/runtime/test_expert_parallel_run.py "
+        "runs it as a subprocess (debug=fast) and compares it with the DDP run",
+    "python run.py -m hydra/launcher=slurm hardware=gpu_ep hardware.trainer.num_nodes=2 method=sft,condenser":
+        "needs a SLURM cluster of 2 GPU nodes (tests/runtime/test_slurm.py runs a 2-task EP job on the local one and "
+        "checks the 2-node layout)",
     "python bench/mfu.py": "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",
     "python bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2":
         "needs a CUDA GPU (bf16 throughput; README Results has an H200 run)",

@@ -127,3 +127,19 @@ def test_expert_parallel_run_equals_the_single_process_run(family, method, world
                                    msg=lambda m, name=name: f"EP{ep_size} of {world} {family} {name}: {m}")
         moved += name in before and value.is_floating_point() and not torch.equal(value, before[name])
     assert moved > 0
+
+
+@pytest.mark.parametrize("family", ["dbrx", "llama4_text"])
+def test_families_without_a_packed_experts_call_are_refused(family):
+    """DBRX stores experts as row blocks, Llama 4 weights the expert input: no (tokens, ids, weights) call to
+    dispatch. A one-process group is enough to reach the check."""
+    from moe_lab.runtime import expert_parallel
+
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}")
+    try:
+        patch = moe_lab.apply(build_tiny(family), "sft")
+        with pytest.raises(ValueError, match=rf"hardware.ep_size=1: {patch.spec.model_type}'s experts .*not "
+                                             r"transformers' packed experts"):
+            expert_parallel.install(patch, 1)
+    finally:
+        torch.distributed.destroy_process_group()
