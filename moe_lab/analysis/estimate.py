@@ -135,7 +135,8 @@ def dense_student(model):
 
 
 def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, param_bytes: int,
-           grad_bytes: int, optimizer_bytes: int, frozen_extra: int = 0, tokens: int = 0, elem: int = 2) -> list[dict]:
+           grad_bytes: int, optimizer_bytes: int, frozen_extra: int = 0, tokens: int = 0, elem: int = 2,
+           inactive_pass: bool = False) -> list[dict]:
     """GPU (and CPU) memory per rank for each strategy, with and without activation checkpointing, in GiB
     (bytes / 2**30; the ``*_gb`` keys).
 
@@ -147,7 +148,9 @@ def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, p
     and optimizer state; trained experts first in ``trainable``), the rest whole; activations as DDP's (each rank
     runs its own tokens' share of expert work). Its row adds ``all_to_all_gb``: the bytes one rank sends per
     micro-batch of ``tokens`` tokens (dispatch and combine, forward and backward: 4 x tokens x top_k x hidden x
-    ``elem`` per MoE layer, the share (gpus - 1) / gpus that leaves the rank; 0 for the other rows).
+    ``elem`` per MoE layer, the share (gpus - 1) / gpus that leaves the rank; 0 for the other rows), and with
+    ``inactive_pass`` (DenseMixer: every token through every expert outside its top-k, dispatched without autograd)
+    2 x tokens x (E - k) x hidden x ``elem`` more per layer.
     """
     p = counts.total + frozen_extra
     layer = 2 * max(counts.per_layer_total.values()) * param_bytes
@@ -158,6 +161,8 @@ def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, p
     ep = (w - routed * param_bytes * kept, g - routed_trained * grad_bytes * kept,
           o - routed_trained * optimizer_bytes * kept)
     exchanged = 4 * tokens * sum(s.top_k * s.hidden for s in counts.experts) * elem * kept
+    if inactive_pass:
+        exchanged += 2 * tokens * sum((s.num_experts - s.top_k) * s.hidden for s in counts.experts) * elem * kept
     rows = []
     for strategy in STRATEGIES:
         gpu = {"ddp": (w, g, o), "zero2": (w, g / gpus, o / gpus), "zero3": (w / gpus + layer, g / gpus, o / gpus),
@@ -297,7 +302,7 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
             (costs["sft"]["flops_per_token_forward"] + costs["sft"]["flops_per_token_backward"]),
             "memory": memory(s_counts, c["params_trainable"], act, gpus=gpus, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, frozen_extra=teacher,
-                             tokens=batch * seq_len, elem=elem),
+                             tokens=batch * seq_len, elem=elem, inactive_pass=name == "densemixer"),
         }
     t = trained.tokens
     active_layer = counts.per_layer_active()

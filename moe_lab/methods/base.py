@@ -223,7 +223,7 @@ class MoELightningModule(L.LightningModule):
             check_fsdp_clipping("fsdp", gradient_clip_algorithm)
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
-        ep = getattr(self.patch, "expert_parallel", None)
+        ep = getattr(getattr(self, "patch", None), "expert_parallel", None)
         if ep is not None and gradient_clip_val and gradient_clip_algorithm != "value":
             ep.clip_gradients([p for group in optimizer.param_groups for p in group["params"]], float(gradient_clip_val))
             return

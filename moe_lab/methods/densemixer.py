@@ -39,6 +39,7 @@ from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
 from ..moe.support import refuse_undefined
+from ..runtime.expert_parallel import dispatch_of, pair_dots, pair_mixture
 from .registry import register_method
 
 
@@ -135,7 +136,11 @@ class _InactiveExperts(torch.autograd.Function):
         with torch.autocast(device, dtype=ctx.autocast, enabled=ctx.autocast is not None):
             cast = autocast_expert_weights(experts, device)
             with stateless._reparametrize_module(experts, cast) if cast else contextlib.nullcontext():
-                _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit, ctx.split_lora)
+                if dispatch_of(experts) is not None:  # expert parallel: each pair on its expert's owner
+                    inactive = inactive_experts(indices, ctx.view.num_experts)
+                    grad_w.scatter_(1, inactive, pair_dots(experts, x, inactive, grad_out, ctx.chunk_tokens))
+                else:
+                    _inactive_expert_outputs(ctx.view, x, indices, ctx.chunk_tokens, visit, ctx.split_lora)
         return grad_w, None, None, None, None, None
 
 
@@ -171,15 +176,21 @@ class DenseMixerMixture:
             return out
         with torch.no_grad():
             dense = dense_weights(view.rule, logits, indices)
-            extra = torch.zeros_like(out)
+            if dispatch_of(view.experts) is not None:  # expert parallel: each pair on its expert's owner
+                inactive = inactive_experts(indices, view.num_experts)
+                extra = pair_mixture(view.experts, x.detach(), inactive, dense.gather(1, inactive),
+                                     self.chunk_tokens).to(out.dtype)
+            else:
+                extra = torch.zeros_like(out)
 
-            def visit(rows, tokens, experts, order, expert_out):  # summed per token in expert order (deterministic)
-                weighted = dense[rows][tokens, experts, None] * expert_out
-                pairs = weighted.new_empty(weighted.shape).index_copy_(0, order, weighted)
-                extra[rows] = pairs.view(-1, view.num_experts - indices.shape[1], pairs.shape[-1]).sum(1).to(extra.dtype)
+                def visit(rows, tokens, experts, order, expert_out):  # summed per token in expert order (deterministic)
+                    weighted = dense[rows][tokens, experts, None] * expert_out
+                    pairs = weighted.new_empty(weighted.shape).index_copy_(0, order, weighted)
+                    extra[rows] = pairs.view(-1, view.num_experts - indices.shape[1],
+                                             pairs.shape[-1]).sum(1).to(extra.dtype)
 
-            _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit,
-                                     block.split_lora and splits_lora(view))
+                _inactive_expert_outputs(view, x.detach(), indices, self.chunk_tokens, visit,
+                                         block.split_lora and splits_lora(view))
         return out + extra
 
 

@@ -21,6 +21,7 @@ export holds the model as a single-process run would, whatever ``ep_size`` wrote
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,10 +35,8 @@ log = logging.getLogger(__name__)
 
 #: installers whose expert computation is the HF experts call (the seam); the others compute on the packed weights
 #: themselves and are refused under EP, each with its reason
-EP_INSTALLERS = ("sft", "frozen_router", "condenser")
+EP_INSTALLERS = ("sft", "frozen_router", "condenser", "densemixer")
 EP_REFUSED = {
-    "densemixer": "its router gradient needs every expert's output for every token, and its inactive experts' pass "
-                  "runs on the packed weights outside the dispatched experts call",
     "esft": "its training pass runs the trained expert slices on the packed weights itself",
     "compressed_experts": "its compressed mixture runs the experts on the packed weights itself",
     "kd": "the teacher and the dense student are not expert parallel",
@@ -193,10 +192,65 @@ class ExpertParallel:
                 param = getattr(shard.experts, name)
                 param.data = self._gather(param.data, shard.num_experts)
             shard.experts.num_experts = shard.num_experts
-            del shard.experts.forward
+            del shard.experts.forward, shard.experts.moe_lab_expert_parallel
             for handle in shard.handles:
                 handle.remove()
         self.sharded = []
+
+
+def _dispatched(engine, hidden_states, top_k_index, top_k_weights):
+    """The experts call under EP, in the input's dtype (as transformers' own EP forward returns it)."""
+    return engine(hidden_states, top_k_index, top_k_weights).to(hidden_states.dtype)
+
+
+def dispatch_of(experts: nn.Module):
+    """``(ExpertParallel, AllToAllEP)`` of an experts module :func:`install` sharded, else None."""
+    return getattr(experts, "moe_lab_expert_parallel", None)
+
+
+def agreed_chunks(state: ExpertParallel, tokens: int, chunk_tokens: int, device) -> int:
+    """How many chunks of ``chunk_tokens`` tokens every rank of the EP group runs: the most any rank needs (each
+    dispatched call is collective, so a rank with fewer tokens runs empty chunks). One host sync."""
+    count = torch.tensor([-(-tokens // chunk_tokens)], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=state.ep_group)
+    return int(count.item())
+
+
+def pair_dots(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, grad_out: torch.Tensor,
+              chunk_tokens: int) -> torch.Tensor:
+    """[N, m] fp32: ``<grad_out[t], E_ids[t, j](x[t])>`` for every (token, expert) pair of ``ids`` [N, m] (global
+    ids), each pair run by its expert's owner through the dispatch, in token chunks. Only the weights' gradient of
+    the dispatched call is taken (the experts' outputs come back through the combine all-to-all of the forward; no
+    collective runs backward), so no gradient reaches ``x`` or the experts."""
+    state, engine = dispatch_of(experts)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=x.device)
+    frozen = [p for p in experts.parameters(recurse=False) if p.requires_grad]
+    for p in frozen:  # nothing of the experts' own graph is kept
+        p.requires_grad_(False)
+    try:
+        for chunk in range(agreed_chunks(state, x.shape[0], chunk_tokens, x.device)):
+            rows = slice(chunk * chunk_tokens, (chunk + 1) * chunk_tokens)
+            weights = torch.ones(ids[rows].shape, dtype=torch.float32, device=x.device, requires_grad=True)
+            with torch.enable_grad():
+                y = engine(x[rows].detach(), ids[rows], weights)
+                (dots,) = torch.autograd.grad(y, weights, grad_outputs=grad_out[rows].to(y.dtype))
+            out[rows] = dots
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return out
+
+
+@torch.no_grad()
+def pair_mixture(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 chunk_tokens: int) -> torch.Tensor:
+    """[N, H]: ``sum_j weights[t, j] E_ids[t, j](x[t])`` through the dispatch, in token chunks, without autograd."""
+    state, engine = dispatch_of(experts)
+    out = torch.zeros_like(x)
+    for chunk in range(agreed_chunks(state, x.shape[0], chunk_tokens, x.device)):
+        rows = slice(chunk * chunk_tokens, (chunk + 1) * chunk_tokens)
+        out[rows] = engine(x[rows], ids[rows], weights[rows]).to(out.dtype)
+    return out
 
 
 def _shard_hooks(state: ExpertParallel, shard: _Sharded):
@@ -258,7 +312,8 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
         experts.num_experts = local
         shard = _Sharded(experts, names, total)
         engine = AllToAllEP(experts, mesh["ep"], mesh["tp"])
-        experts.forward = engine
+        experts.forward = functools.partial(_dispatched, engine)
+        experts.moe_lab_expert_parallel = (state, engine)
         gather, keep_local = _shard_hooks(state, shard)
         shard.handles = [experts._register_state_dict_hook(gather),
                          experts._register_load_state_dict_pre_hook(keep_local, with_module=True)]

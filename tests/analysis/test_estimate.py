@@ -63,6 +63,11 @@ def test_expert_parallel_row_by_hand(big):
         assert ep[key] == pytest.approx(ddp[key] - routed * per * 7 / 8 / 2**30, rel=1e-12), key
     assert ep["activations_gb"] == ddp["activations_gb"]
     assert ep["all_to_all_gb"] == pytest.approx(4 * tokens * k * h * 2 * layers * 7 / 8 / 2**30, rel=1e-12)
+    # DenseMixer also sends every token to every expert outside its top-k once (forward only, in the backward pass)
+    dm = next(r for r in big["qwen3_moe"]["methods"]["densemixer"]["memory"]
+              if r["strategy"] == "ep" and not r["activation_checkpointing"])
+    assert dm["all_to_all_gb"] == pytest.approx(ep["all_to_all_gb"] + 2 * tokens * (e - k) * h * 2 * layers * 7 / 8
+                                                / 2**30, rel=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,20 @@ from tests.conftest import build_tiny, random_batch
 pytestmark = pytest.mark.slow
 
 BATCH, STEPS, LR, CLIP = 4, 3, 5e-2, 0.5
-#: condenser: biases from the loads of every rank's tokens, condensers chosen after the second update, in the run
-OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 2}}
+#: condenser: biases from the loads of every rank's tokens, condensers chosen after the second update, in the run;
+#: densemixer_dense: the paper's ablation (dense forward, conventional gradient)
+OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 2},
+           "densemixer_dense": {"forward": "dense", "gradient": "conventional"}}
+#: (family, method, ep_size) per world size: one group of processes runs each world's cases in turn
+CASES = {
+    2: [("qwen3_moe", "sft", 2), ("qwen3_moe", "condenser", 2), ("qwen3_moe", "densemixer", 2),
+        ("olmoe", "densemixer_dense", 2)],
+    4: [("qwen3_moe", "frozen_router", 2), ("olmoe", "sft", 4), ("olmoe", "densemixer", 4)],
+}
+
+
+def _install(model, method: str):
+    return moe_lab.apply(model, method.split("_dense")[0], **OPTIONS.get(method, {}))
 
 
 def _batch():
@@ -39,7 +51,13 @@ def _share(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 
 
-def _ep_run(rank: int, world: int, ep_size: int, port: int, family: str, method: str, out: str) -> None:
+def _forced(patch) -> list[list[int]]:
+    """Each layer's condensers (experts forced into every token's set; empty for other methods)."""
+    return [block.forced_experts for block in patch.layers]
+
+
+def _ep_runs(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: every case of ``world`` in turn, each trained STEPS SGD steps on the rank's share under EP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from moe_lab.runtime import expert_parallel
@@ -48,32 +66,35 @@ def _ep_run(rank: int, world: int, ep_size: int, port: int, family: str, method:
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    model = build_tiny(family, output_router_logits=False).train()
-    patch = moe_lab.apply(model, method, **OPTIONS.get(method, {}))
-    ep = expert_parallel.install(patch, ep_size)
-    DDP._set_params_and_buffers_to_ignore_for_model(model, ep.parameter_names(model))
-    wrapped = DDP(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    mine, losses = _share(_batch(), rank, world), []
-    for _ in range(STEPS):
-        loss = wrapped(**mine).loss
-        losses.append(loss.item())
-        loss.backward()
-        ep.sync_gradients()
-        ep.clip_gradients(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        patch.after_optimizer_step()
-    state = model.state_dict()  # a collective: every rank gathers the experts
+    results = {}
+    for family, method, ep_size in CASES[world]:
+        model = build_tiny(family, output_router_logits=False).train()
+        patch = _install(model, method)
+        ep = expert_parallel.install(patch, ep_size)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ep.parameter_names(model))
+        wrapped = DDP(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        mine, losses = _share(_batch(), rank, world), []
+        for _ in range(STEPS):
+            loss = wrapped(**mine).loss
+            losses.append(loss.item())
+            loss.backward()
+            ep.sync_gradients()
+            ep.clip_gradients(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            patch.after_optimizer_step()
+        state = model.state_dict()  # a collective: every rank gathers the experts
+        results[(family, method, ep_size)] = {"losses": losses, "state": state, "forced": _forced(patch)}
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "forced": _forced(patch)}, out)
+        torch.save(results, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def _reference(base, method: str, world: int):
     model = copy.deepcopy(base)
-    patch = moe_lab.apply(model, method, **OPTIONS.get(method, {}))
+    patch = _install(model, method)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch, first = _batch(), None
     for _ in range(STEPS):
@@ -87,46 +108,43 @@ def _reference(base, method: str, world: int):
     return model, first, _forced(patch)
 
 
-def _forced(patch) -> list[list[int]]:
-    """Each layer's condensers (experts forced into every token's set; empty for other methods)."""
-    return [block.forced_experts for block in patch.layers]
-
-
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family,method,world,ep_size", [
-    ("qwen3_moe", "sft", 2, 2), ("qwen3_moe", "frozen_router", 4, 2), ("olmoe", "sft", 4, 4),
-    ("qwen3_moe", "condenser", 2, 2),
-])
-def test_expert_parallel_run_equals_the_single_process_run(family, method, world, ep_size, tmp_path):
-    base = build_tiny(family, output_router_logits=False).train()
-    reference, first, forced = _reference(base, method, world)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_expert_parallel_runs_equal_the_single_process_runs(world, tmp_path):
     out = tmp_path / "rank0.pt"
     ctx = mp.get_context("spawn")
     port = _port()
-    procs = [ctx.Process(target=_ep_run, args=(r, world, ep_size, port, family, method, str(out)))
-             for r in range(world)]
+    procs = [ctx.Process(target=_ep_runs, args=(r, world, port, str(out))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=600)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = torch.load(out)
-    assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6)  # rank 0's share, before any step
-    assert got["forced"] == forced and (method != "condenser" or all(forced))
-    expected = reference.state_dict()
-    assert set(got["state"]) == set(expected)
-    moved, before = 0, base.state_dict()
-    for name, value in got["state"].items():
-        assert value.shape == expected[name].shape, name
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6,
-                                   msg=lambda m, name=name: f"EP{ep_size} of {world} {family} {name}: {m}")
-        moved += name in before and value.is_floating_point() and not torch.equal(value, before[name])
-    assert moved > 0
+    results = torch.load(out)
+    for family, method, ep_size in CASES[world]:
+        case = f"{family} {method} EP{ep_size} of {world}"
+        base = build_tiny(family, output_router_logits=False).train()
+        reference, first, forced = _reference(base, method, world)
+        got = results[(family, method, ep_size)]
+        assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6), case  # rank 0's share, before a step
+        assert got["forced"] == forced and (method != "condenser" or all(forced)), case
+        expected = reference.state_dict()
+        assert set(got["state"]) == set(expected), case
+        moved, before = 0, base.state_dict()
+        for name, value in got["state"].items():
+            assert value.shape == expected[name].shape, f"{case} {name}"
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6,
+                                       msg=lambda m, name=name, case=case: f"{case} {name}: {m}")
+            moved += name in before and value.is_floating_point() and not torch.equal(value, before[name])
+        assert moved > 0, case
+        if method.startswith("densemixer"):  # the router trained: every expert's output reached its gradient
+            routers = [n for n in expected if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+            assert routers and all(not torch.equal(got["state"][n], before[n]) for n in routers), case
 
 
 @pytest.mark.parametrize("family", ["dbrx", "llama4_text"])

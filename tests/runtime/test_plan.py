@@ -313,5 +313,5 @@ def test_plan_under_expert_parallelism_shows_the_ep_memory_and_all_to_all(tmp_pa
     assert dict(memory["options"])["gpu_ep"] == pytest.approx(memory["gpu_gb"])
     assert f"all-to-all {memory['all_to_all_gb']:.2f} GiB sent per rank per micro-batch" in out
     assert "expert parallel: EP groups of 8 ranks" in out
-    with pytest.raises(ValueError, match="method=densemixer under hardware.ep_size=8"):
-        _plan("condenser/s1_qwen3", tmp_path / "dm", "hardware=gpu_ep", "method=densemixer")
+    with pytest.raises(ValueError, match="method=compressed_experts under hardware.ep_size=8"):
+        _plan("condenser/s1_qwen3", tmp_path / "ce", "hardware=gpu_ep", "method=compressed_experts")
