@@ -180,9 +180,9 @@ def test_memory_estimate_is_task_estimates_row():
              if r["strategy"] == "zero2" and r["activation_checkpointing"]]
     assert (est["method"], est["strategy"], est["gpu_gb"]) == ("densemixer", "zero2", row["gpu_total_gb"])
     assert {name for name, _ in est["options"]} == {"gpu_ddp", "deepspeed_zero2", "deepspeed_zero3",
-                                                    "deepspeed_zero3_offload", "fsdp"}  # every strategy runs it
+                                                    "deepspeed_zero3_offload", "fsdp", "gpu_ep"}  # every one runs it
     esft = memory_fit.memory_estimate(_gpu_run("hardware=deepspeed_zero2", "method=esft_token"), 8)
-    assert "fsdp" not in {name for name, _ in esft["options"]} and "deepspeed_zero3" in dict(esft["options"])
+    assert not {"fsdp", "gpu_ep"} & {name for name, _ in esft["options"]} and "deepspeed_zero3" in dict(esft["options"])
 
 
 def test_cpu_runs_are_never_refused_for_memory(h100):
