@@ -208,9 +208,7 @@ def one_rank():
     restored, after the test file (later tests' DDP subprocesses must not inherit its rank and port)."""
     import deepspeed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     saved = dict(os.environ)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -222,3 +220,34 @@ def one_rank():
     groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     os.environ.clear()
     os.environ.update(saved)  # later tests' DDP subprocesses must not inherit this group's rank and port
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: float sums (bf16 matmuls, batched_mm's accumulating backward) then reduce in
+    one order, so a run and its oracle, or two runs, can be compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, world: int, *args, timeout: float = 600) -> None:
+    """``target(rank, port, *args)`` in ``world`` spawned processes (torch's ``spawn`` start method) sharing one free
+    rendezvous port; every one must exit 0."""
+    import torch.multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=timeout)
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]

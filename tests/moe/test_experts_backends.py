@@ -25,14 +25,6 @@ from tests.moe.test_conformance import _assert_equal, _forward_backward
 CPU_KERNELS = ("eager", "batched_mm", "grouped_mm")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _kernel_model(family: str, kernel: str):
     model = build_tiny(family)
     set_experts_implementation(model, kernel)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import moe_lab
-from tests.conftest import build_tiny, random_batch
+from tests.conftest import build_tiny, free_port, random_batch, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +54,7 @@ def _forced(patch) -> list[list[int]]:
     return [block.forced_experts for block in patch.layers]
 
 
-def _ep_runs(rank: int, world: int, port: int, out: str) -> None:
+def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
     """One rank: every case of ``world`` in turn, each trained STEPS SGD steps on the rank's share under EP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -108,23 +106,10 @@ def _reference(base, method: str, world: int):
     return model, first, _forced(patch)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_expert_parallel_runs_equal_the_single_process_runs(world, tmp_path):
     out = tmp_path / "rank0.pt"
-    ctx = mp.get_context("spawn")
-    port = _port()
-    procs = [ctx.Process(target=_ep_runs, args=(r, world, port, str(out))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_ep_runs, world, world, str(out))
     results = torch.load(out)
     for family, method, ep_size in CASES[world]:
         case = f"{family} {method} EP{ep_size} of {world}"
@@ -153,7 +138,7 @@ def test_families_without_a_packed_experts_call_are_refused(family):
     dispatch. A one-process group is enough to reach the check."""
     from moe_lab.runtime import expert_parallel
 
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
         patch = moe_lab.apply(build_tiny(family), "sft")
         with pytest.raises(ValueError, match=rf"hardware.ep_size=1: {patch.spec.model_type}'s experts .*not "

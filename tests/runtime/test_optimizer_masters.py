@@ -63,15 +63,6 @@ def _oracle(bf16_model) -> tuple[dict, dict]:
     return {n: p.detach() for n, p in model.named_parameters()}, masters
 
 
-@pytest.fixture
-def one_thread():
-    """The oracle and the run reduce in the same order (bf16 matmul accumulation depends on the thread split)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_bf16_weights_step_fp32_masters_exactly_like_the_oracle(caplog, one_thread):
     base = _bf16_model()
     expected, expected_masters = _oracle(base)

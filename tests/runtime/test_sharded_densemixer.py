@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import moe_lab
-from tests.conftest import build_tiny, random_batch
+from tests.conftest import build_tiny, random_batch, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -106,18 +104,8 @@ def test_densemixer_sharded_equals_the_single_process_run(family, engine, tmp_pa
         opt.step()
         opt.zero_grad()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "rank0.pt"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_sharded_run, args=(r, port, family, "densemixer", engine, str(out)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_sharded_run, WORLD, family, "densemixer", engine, str(out))
     got = torch.load(out)
     assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6)  # rank 0's half, before any step
     expected = dict(reference.named_parameters())
