@@ -17,8 +17,9 @@ from moe_lab.runtime import expert_parallel
 from moe_lab.runtime.refusals import refuse_expert_parallel
 from tests.test_run import run_py
 
+#: the condenser with its forward-only pre-phase before step 0 (a collective pass of its own under EP)
 COMMON = ("debug=fast", "model=tiny_qwen3_moe", "~callbacks.expert_load", "task.checkpoint_every_n_steps=3",
-          "task.keep_last_checkpoints=2")
+          "task.keep_last_checkpoints=2", "method=condenser", "method.options.n=1", "method.options.selection_updates=2")
 
 
 def _export(run: Path) -> dict[str, torch.Tensor]:
@@ -57,6 +58,7 @@ def test_ep_run_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path):
     assert _losses(as_ddp)[-3:] == pytest.approx(_losses(ep)[-3:], rel=1e-6, abs=1e-6) and len(_losses(ep)) == 6
     d = _export(as_ddp)
     assert d.keys() == a.keys()
+    assert (as_ddp / "export" / "condenser.json").read_text() == (ep / "export" / "condenser.json").read_text()
     for key in a:
         torch.testing.assert_close(d[key], a[key], rtol=0, atol=1e-6, msg=key)
 
