@@ -167,3 +167,18 @@ def test_run_py_trains_resumes_bitwise_and_exports_in_bf16(tmp_path):
     assert all(x.dtype == torch.float32 for x in masters[0])
     model = transformers.AutoModelForCausalLM.from_pretrained(straight / "export")
     assert model.dtype == torch.bfloat16
+
+
+def test_bench_flow_and_its_state_ratio(monkeypatch, capsys):
+    """bench/master_weights.py end to end at a short length (its step ratio is for docs/results.md, not asserted).
+    The state it holds after a step is exact arithmetic: every parameter trains, so per entry bf16 weight (2) + fp32
+    master (4) + AdamW's two moments (8) against fp32 weight (4) + moments (8), plus AdamW's 4-byte step counters."""
+    import runpy
+
+    from tests.conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = runpy.run_path(str(ROOT / "bench" / "master_weights.py"))
+    _, state = bench["main"](["--steps", "1", "--warmup", "0", "--batch", "1", "--seq", "16", "--threads", "1"])
+    assert "step_ratio=" in capsys.readouterr().out
+    assert state["optimizer"] / state["fp32"] == pytest.approx(14 / 12, rel=1e-3)
