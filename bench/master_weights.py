@@ -19,7 +19,10 @@ import time
 
 import torch
 import transformers
-from sft_step import BENCH_CONFIG  # bench/ is on sys.path when run as `python bench/master_weights.py`
+from sft_step import (  # bench/ is on sys.path when run as `python bench/master_weights.py`
+    BENCH_CONFIG,
+    autocast_step,
+)
 
 import moe_lab
 from moe_lab.runtime.optimizer_masters import FP32MasterCopies
@@ -38,13 +41,7 @@ def build(base, mode: str):
 
 def step(model, optimizer, masters, batch) -> float:
     start = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(**batch).loss
-    loss.backward()
-    if masters is not None:
-        masters.gradients_to_masters()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    autocast_step(model, optimizer, batch, "cpu", masters)
     return time.perf_counter() - start
 
 

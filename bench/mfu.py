@@ -28,6 +28,7 @@ import time
 import torch
 import transformers
 from methods import build, optimizer  # bench/ is on sys.path when run as `python bench/mfu.py`
+from sft_step import autocast_step
 
 from moe_lab.runtime.optimizer_masters import FP32MasterCopies
 
@@ -82,13 +83,7 @@ def time_method(method: str, base, batch, steps: int, warmup: int) -> tuple[floa
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        if masters is not None:
-            masters.gradients_to_masters()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        autocast_step(model, opt, batch, "cuda", masters)
         if not vanilla:
             model.moe_lab_patch.after_optimizer_step()
         torch.cuda.synchronize()

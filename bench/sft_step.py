@@ -33,6 +33,18 @@ def train_step(model, optimizer, batch) -> float:
     return time.perf_counter() - start
 
 
+def autocast_step(model, optimizer, batch, device: str, masters=None) -> None:
+    """One optimizer step under bf16 autocast on ``device``; ``masters`` (``FP32MasterCopies``, or None) takes the
+    bf16 gradients onto its fp32 copies before the step (``method.master_weights=optimizer``)."""
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    if masters is not None:
+        masters.gradients_to_masters()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)

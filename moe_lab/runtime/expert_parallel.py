@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,6 @@ EP_REFUSED = {
 
 def ep_size(cfg) -> int:
     """``hardware.ep_size`` of a run config (1 where the hardware config has none)."""
-    from omegaconf import OmegaConf
-
     return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)
 
 

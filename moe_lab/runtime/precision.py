@@ -101,8 +101,9 @@ def apply_master_weights(model: nn.Module, precision: str, mode: str = "fp32",
     elif mode == "optimizer":
         half = [p for p in model.parameters() if p.requires_grad and p.dtype in HALF]
         log.info("master weights: %d trainable %s tensors (%d entries) stay %s for compute; the optimizer steps fp32 "
-                 "copies (method.master_weights=optimizer)", len(half), _dtype_name(half[0].dtype),
-                 sum(p.numel() for p in half), _dtype_name(half[0].dtype))
+                 "copies (method.master_weights=optimizer); gradients accumulate in %s over a window's micro-batches",
+                 len(half), _dtype_name(half[0].dtype), sum(p.numel() for p in half), _dtype_name(half[0].dtype),
+                 _dtype_name(half[0].dtype))
     if not todo:
         return []
     source = _dtype_name(todo[0].dtype)
