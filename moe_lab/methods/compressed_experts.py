@@ -47,7 +47,7 @@ from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
 from ..moe.block import ConventionalRouting, MoEBlock
-from ..moe.experts import expert_intermediate_size, looped_mixture
+from ..moe.experts import expert_intermediate_size, expert_mixture, looped_mixture
 from ..moe.patch import MoEPatch
 from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView
@@ -140,6 +140,8 @@ class CompressedExpertsMixture:
         mix = torch.zeros(x.shape[0], block.num_experts, dtype=dtype, device=x.device)
         mix = mix.scatter_add(1, aux_idx, aux_w.to(dtype))  # [N, E] renormalised auxiliary weights
         scales = {name: mix @ v for name, v in vectors.items()}
+        if hasattr(view.experts, "moe_lab_expert_parallel"):  # EP (form=input only): the dispatched experts call
+            return expert_mixture(view, x * scales["input_scale"], weights, indices).to(x.dtype)
         return scaled_expert_mixture(view, x, indices, weights, scales)
 
 

@@ -323,8 +323,11 @@ class FrozenExpertsMixture:
 
     def __call__(self, block: MoEBlock, x, logits, weights, indices):
         experts, view = block.experts, block.view.obj
-        if not torch.is_grad_enabled() or parametrize.is_parametrized(view.expert_module) or indices.numel() == 0:
-            return sparse_mixture(block, x, logits, weights, indices)  # no backward, LoRA (its adapters train), no tokens
+        if (not torch.is_grad_enabled() or parametrize.is_parametrized(view.expert_module) or indices.numel() == 0
+                or hasattr(experts, "moe_lab_expert_parallel")):
+            # no backward, LoRA (its adapters train), no tokens, or experts dispatched to their EP owners (whose
+            # gradient hooks zero the frozen slices)
+            return sparse_mixture(block, x, logits, weights, indices)
         if not view.layout.packed:  # row-blocked experts (DBRX): HF's own per-expert loop, frozen ones detached
             return looped_mixture(view, x, indices, weights, frozen=~self.trained)
         transposed, _, has_bias = packed_layout(view)

@@ -165,18 +165,21 @@ class ESFTLightningModule(MoELightningModule):
 
     def configure_optimizers(self):
         """The base module's optimizer, stepping only the trained expert slices (:func:`slice_optimizer`)
-        where the strategy keeps whole parameters (not FSDP / DeepSpeed, which flatten them)."""
+        where the strategy keeps whole parameters (not FSDP / DeepSpeed, which flatten them, nor expert
+        parallelism, whose optimizer state gathers whole local expert tensors)."""
         config = super().configure_optimizers()
         flattened = self._trainer is not None and _flattens_parameters(self.trainer.strategy)
-        sliced = not flattened and slice_optimizer(config["optimizer"], self.patch) > 0
+        expert_parallel = getattr(self.patch, "expert_parallel", None) is not None
+        sliced = not (flattened or expert_parallel) and slice_optimizer(config["optimizer"], self.patch) > 0
         self.optimizer_layout = "sliced" if sliced else "packed"
         resumed = getattr(self, "_resumed_optimizer_layout", None)
         if resumed is not None and resumed != self.optimizer_layout:
             raise ValueError(
                 f"this ESFT checkpoint holds optimizer state for {resumed} expert tensors, but this run steps "
-                f"{self.optimizer_layout} ones (checkpoints written before moe-lab stepped only the trained expert "
-                "slices hold whole packed tensors): its optimizer state cannot be restored. Resume under the "
-                "moe-lab version and strategy that wrote it, or start a new run from its weights "
+                f"{self.optimizer_layout} ones (FSDP, DeepSpeed, hardware.ep_size > 1 and checkpoints written before "
+                "moe-lab stepped only the trained expert slices hold whole packed tensors): its optimizer state "
+                "cannot be restored. Resume under the moe-lab version, strategy and hardware.ep_size (> 1 or 1) that "
+                "wrote it, or start a new run from its weights "
                 "(model.pretrained=<run>/export method.selection_file=<run>/esft_selection.json)")
         return config
 

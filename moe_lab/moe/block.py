@@ -127,6 +127,13 @@ class SliceGradMask:
         return grad * keep
 
 
+def _slice_hook(param: nn.Parameter, mask: torch.Tensor) -> None:
+    """Register ``param``'s :class:`SliceGradMask`, kept as ``param.moe_lab_slice_hook`` (expert parallelism
+    changes its mask when it shards or gathers the experts)."""
+    param.moe_lab_slice_hook = SliceGradMask(mask)
+    param.register_hook(param.moe_lab_slice_hook)
+
+
 class MoEBlock(nn.Module):
     """One MoE layer under moe-lab. Also the per-layer handle exposed as ``MoEPatch.layers``."""
 
@@ -178,12 +185,12 @@ class MoEBlock(nn.Module):
         """Zero the gradient of ``param``'s expert slices outside ``mask`` [E] (re-hooked after unpickling:
         torch drops tensor hooks when it pickles parameters)."""
         self.gradient_slice_masks.append((param, mask))
-        param.register_hook(SliceGradMask(mask))
+        _slice_hook(param, mask)
 
     def __setstate__(self, state):
         super().__setstate__(state)
         for param, mask in self.__dict__.get("gradient_slice_masks", []):
-            param.register_hook(SliceGradMask(mask))
+            _slice_hook(param, mask)
 
     @property
     def spec(self):

@@ -159,11 +159,12 @@ class MoEPatch:
                 )
             mask = torch.zeros(view.num_experts, dtype=torch.bool)
             mask[ids] = True
+            lo, hi = getattr(view.experts, "moe_lab_expert_range", (0, view.num_experts))  # EP: the local experts
             for pname, param in view.experts.named_parameters():
                 if not ids:
                     param.requires_grad_(False)
-                elif not bool(mask.all()):
-                    rows = leading_mask(mask, param)  # DBRX: expert e owns I rows of each [E*I, H] tensor
+                elif not bool(mask.all()):  # decided on every expert: each EP rank's tensors are masked alike
+                    rows = leading_mask(mask[lo:hi], param)  # DBRX: expert e owns I rows of each [E*I, H] tensor
                     self.expert_slice_masks[f"{view.name}.experts.{pname}"] = (param, rows)
                     block.hook_gradient_slices(param, rows)
 

@@ -36,10 +36,8 @@ log = logging.getLogger(__name__)
 
 #: installers whose expert computation is the HF experts call (the seam); the others compute on the packed weights
 #: themselves and are refused under EP, each with its reason
-EP_INSTALLERS = ("sft", "frozen_router", "condenser", "densemixer")
+EP_INSTALLERS = ("sft", "frozen_router", "condenser", "densemixer", "esft", "compressed_experts")
 EP_REFUSED = {
-    "esft": "its training pass runs the trained expert slices on the packed weights itself",
-    "compressed_experts": "its compressed mixture runs the experts on the packed weights itself",
     "kd": "the teacher and the dense student are not expert parallel",
 }
 
@@ -67,6 +65,12 @@ def check_method(module, ep_size: int) -> None:
     if patch is not None and any(getattr(block, "split_lora", None) for block in patch.layers):
         raise ValueError(f"{where}: LoRA on experts runs its adapters on the packed expert weights outside the "
                          "dispatched experts call; drop 'experts' from method.lora.targets or use hardware.ep_size=1")
+    if patch is not None and any(getattr(getattr(block, "compressed_experts", None), "up_input_scale", None)
+                                 is not None for block in patch.layers):
+        raise ValueError(f"{where}: compressed_experts' form=gate_up_intermediate scales the gate and up inputs and "
+                         "the intermediate activation apart, inside the experts, which the dispatched experts call "
+                         "does not take; use method.options.form=input (the paper's section 2.2) or "
+                         "hardware.ep_size=1")
     if getattr(module, "master_weights", None) == "optimizer":
         raise ValueError(f"{where}: method.master_weights=optimizer steps fp32 copies the EP gradient reduction and "
                          "clipping do not see; use method.master_weights=fp32")
@@ -78,6 +82,8 @@ class _Sharded:
     names: list[str]  # the expert tensors' attribute names in ``experts``
     num_experts: int  # global
     handles: list = field(default_factory=list)  # its state-dict hooks
+    patch: object = None
+    block: object = None
 
 
 @dataclass
@@ -190,8 +196,10 @@ class ExpertParallel:
             for name in shard.names:
                 param = getattr(shard.experts, name)
                 param.data = self._gather(param.data, shard.num_experts)
+                _remap_slices(shard.patch, shard.block, param, param,  # ESFT's masks over the whole experts
+                              lambda rows: self._gather(rows.to(torch.uint8), shard.num_experts).bool())
             shard.experts.num_experts = shard.num_experts
-            del shard.experts.forward, shard.experts.moe_lab_expert_parallel
+            del shard.experts.forward, shard.experts.moe_lab_expert_parallel, shard.experts.moe_lab_expert_range
             for handle in shard.handles:
                 handle.remove()
         self.sharded = []
@@ -266,6 +274,28 @@ def _shard_hooks(state: ExpertParallel, shard: _Sharded):
     return gather, keep_local
 
 
+def _remap_slices(patch, block, old: nn.Parameter, new: nn.Parameter, rows_of) -> None:
+    """ESFT's trained-slice masks of the packed tensor ``old`` moved to ``new`` with ``rows_of(mask)`` as their rows:
+    the patch's optimizer masks, the block's gradient hooks (a new tensor gets its own hook) and the frozen-slice
+    guard. Install localises them to a rank's experts; uninstall makes them whole again."""
+    from ..moe.block import SliceGradMask
+
+    for key, (param, rows) in list(patch.expert_slice_masks.items()):
+        if param is old:
+            patch.expert_slice_masks[key] = (new, rows_of(rows))
+    for i, (param, rows) in enumerate(list(block.gradient_slice_masks)):
+        if param is old:
+            block.gradient_slice_masks[i] = (new, rows_of(rows))
+            hook = getattr(new, "moe_lab_slice_hook", None)
+            if hook is None:
+                hook = new.moe_lab_slice_hook = SliceGradMask(None)
+                new.register_hook(hook)
+            hook.mask = block.gradient_slice_masks[i][1]
+    guard = getattr(patch, "frozen_slice_guard", None)
+    if guard is not None:
+        guard.slices = [(new, rows_of(rows)) if param is old else (param, rows) for param, rows in guard.slices]
+
+
 def ep_groups(world: int, ep_size: int) -> list[list[int]]:
     """The EP groups of a world: consecutive global ranks, ``ep_size`` each (the mesh :func:`install` builds), so on
     nodes of ``ep_size`` (or a multiple of it) GPUs every all-to-all stays inside a node; the ranks of one EP group
@@ -293,7 +323,7 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
         raise RuntimeError(f"EP group {dist.get_process_group_ranks(mesh['ep'].get_group())} is not one of {groups}")
     state = ExpertParallel(ep_size=ep_size, ep_rank=mesh["ep"].get_local_rank(), ep_group=mesh["ep"].get_group(),
                            dp_group=mesh["dp"].get_group(), world=world)
-    for view in patch.views:
+    for view, block in zip(patch.views, patch.layers):
         experts, total = view.experts, view.num_experts
         if view.spec.weight_on_input or not view.layout.packed or not hasattr(experts, "num_experts"):
             raise ValueError(f"hardware.ep_size={ep_size}: {patch.spec.model_type}'s experts ({type(experts).__name__}) "
@@ -304,12 +334,14 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
         local = total // ep_size
         lo = state.ep_rank * local
         names = [n for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == total]
+        shard = _Sharded(experts, names, total, patch=patch, block=block)
         for name in names:
             param = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(param.detach()[lo:lo + local].clone(),
-                                                requires_grad=param.requires_grad))
+            sharded = nn.Parameter(param.detach()[lo:lo + local].clone(), requires_grad=param.requires_grad)
+            setattr(experts, name, sharded)
+            _remap_slices(patch, block, param, sharded, lambda rows: rows[lo:lo + local])
         experts.num_experts = local
-        shard = _Sharded(experts, names, total)
+        experts.moe_lab_expert_range = (lo, lo + local)  # what moe-lab's expert masks index (moe/patch.py)
         engine = AllToAllEP(experts, mesh["ep"], mesh["tp"])
         experts.forward = functools.partial(_dispatched, engine)
         experts.moe_lab_expert_parallel = (state, engine)
@@ -322,6 +354,32 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
              world // ep_size)
     patch.expert_parallel = state
     return state
+
+
+def dense_part_trains(model: nn.Module) -> bool:
+    """Whether a parameter outside the expert tensors (DDP's ignore list) trains: else DDP has nothing to reduce
+    (ESFT training only experts) and refuses to wrap the model."""
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    return any(p.requires_grad for name, p in model.named_parameters() if name not in ignored)
+
+
+def _wrap_only_a_training_dense_part(strategy) -> None:
+    """Make Lightning's DDP strategy leave the module unwrapped when its dense part does not train (decided when it
+    wraps, after the method's ``setup``, e.g. ESFT's selection): the experts' gradients are moe-lab's to reduce."""
+    setup_model, register_hooks = strategy._setup_model, strategy._register_ddp_hooks
+
+    def wrap(model):
+        if dense_part_trains(model):
+            return setup_model(model)
+        log.info("expert parallel: only expert tensors train, so DDP does not wrap the model (moe-lab reduces the "
+                 "experts' gradients over the data-parallel replicas)")
+        return model
+
+    def hooks():
+        if strategy.model is not strategy.lightning_module:
+            register_hooks()
+
+    strategy._setup_model, strategy._register_ddp_hooks = wrap, hooks
 
 
 class ExpertParallelHooks(Callback):
@@ -342,6 +400,7 @@ class ExpertParallelHooks(Callback):
         self.state = install(pl_module.patch, self.ep_size, trainer.strategy.root_device.type)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             pl_module, self.state.parameter_names(pl_module))
+        _wrap_only_a_training_dense_part(trainer.strategy)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         for optimizer in trainer.optimizers:

@@ -19,7 +19,7 @@ HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_ze
             "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp", "ep": "gpu_ep"}
 #: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
 #: parameters)
-REFUSED = {"esft": ("fsdp", "ep"), "lora": ("fsdp", "ep"), "compressed_experts": ("ep",),
+REFUSED = {"esft": ("fsdp",), "lora": ("fsdp", "ep"),
            "kd": ("ep",), "dense_student": ("ep",)}  # ep: moe_lab.runtime.expert_parallel.EP_REFUSED
 ASSUMED_GPU_GB = 80.0  # GiB: the papers' machines, 8 x 80 GB GPUs (A100/H100 80GB: 80 GiB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

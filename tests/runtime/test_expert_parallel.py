@@ -26,18 +26,38 @@ pytestmark = pytest.mark.slow
 BATCH, STEPS, LR, CLIP = 4, 3, 5e-2, 0.5
 #: condenser: biases from the loads of every rank's tokens, condensers chosen after the second update, in the run;
 #: densemixer_dense: the paper's ablation (dense forward, conventional gradient)
+#: esft: a selection installed before EP shards the experts (layer 1: all of EP rank 0's experts, none of rank 1's);
+#: esft_scored: ESFT-Token's selection scored under EP on every rank's tokens, installed on the sharded experts
 OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 2},
-           "densemixer_dense": {"forward": "dense", "gradient": "conventional"}}
+           "densemixer_dense": {"forward": "dense", "gradient": "conventional"},
+           "esft": {"experts": {0: [1, 2, 6], 1: [0, 1, 2, 3]}}, "esft_scored": {"experts": {}}}
+ESFT_P = 0.3
 #: (family, method, ep_size) per world size: one group of processes runs each world's cases in turn
 CASES = {
     2: [("qwen3_moe", "sft", 2), ("qwen3_moe", "condenser", 2), ("qwen3_moe", "densemixer", 2),
-        ("olmoe", "densemixer_dense", 2)],
-    4: [("qwen3_moe", "frozen_router", 2), ("olmoe", "sft", 4), ("olmoe", "densemixer", 4)],
+        ("olmoe", "densemixer_dense", 2), ("olmoe", "esft", 2), ("qwen3_moe", "esft_scored", 2),
+        ("qwen3_moe", "compressed_experts", 2)],
+    4: [("qwen3_moe", "frozen_router", 2), ("olmoe", "sft", 4), ("olmoe", "densemixer", 4),
+        ("olmoe", "esft_scored", 4)],
 }
 
 
 def _install(model, method: str):
-    return moe_lab.apply(model, method.split("_dense")[0], **OPTIONS.get(method, {}))
+    return moe_lab.apply(model, method.split("_")[0] if method.startswith("esft") else method.split("_dense")[0],
+                         **OPTIONS.get(method, {}))
+
+
+def _esft_select(patch, model, batch, reduce=None) -> dict:
+    """esft_scored: ESFT-Token's selection from the routing statistics of ``batch`` (summed over the ranks by
+    ``reduce``), installed on the patch (sharded experts or not)."""
+    from moe_lab.methods.esft import esft_select, esft_statistics, select_experts
+
+    stats = esft_statistics(model, [batch])
+    if reduce is not None:
+        stats.unpack(reduce(stats.packed()))
+    selection = esft_select(stats.scores(), ESFT_P, score="token")
+    select_experts(patch, selection)
+    return selection
 
 
 def _batch():
@@ -69,10 +89,12 @@ def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
         model = build_tiny(family, output_router_logits=False).train()
         patch = _install(model, method)
         ep = expert_parallel.install(patch, ep_size)
+        mine, losses, selection = _share(_batch(), rank, world), [], None
+        if method == "esft_scored":
+            selection = _esft_select(patch, model, mine, reduce=lambda t: torch.distributed.all_reduce(t) or t)
         DDP._set_params_and_buffers_to_ignore_for_model(model, ep.parameter_names(model))
-        wrapped = DDP(model)
+        wrapped = DDP(model) if expert_parallel.dense_part_trains(model) else model  # ESFT: only experts train
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-        mine, losses = _share(_batch(), rank, world), []
         for _ in range(STEPS):
             loss = wrapped(**mine).loss
             losses.append(loss.item())
@@ -83,7 +105,8 @@ def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
             opt.zero_grad()
             patch.after_optimizer_step()
         state = model.state_dict()  # a collective: every rank gathers the experts
-        results[(family, method, ep_size)] = {"losses": losses, "state": state, "forced": _forced(patch)}
+        results[(family, method, ep_size)] = {"losses": losses, "state": state, "forced": _forced(patch),
+                                              "selection": selection}
     if rank == 0:
         torch.save(results, out)
     torch.distributed.barrier()
@@ -93,8 +116,9 @@ def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
 def _reference(base, method: str, world: int):
     model = copy.deepcopy(base)
     patch = _install(model, method)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch, first = _batch(), None
+    selection = _esft_select(patch, model, batch) if method == "esft_scored" else None
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for _ in range(STEPS):
         shares = [model(**_share(batch, r, world)).loss for r in range(world)]
         first = shares[0].item() if first is None else first
@@ -103,7 +127,7 @@ def _reference(base, method: str, world: int):
         opt.step()
         opt.zero_grad()
         patch.after_optimizer_step()
-    return model, first, _forced(patch)
+    return model, first, _forced(patch), selection
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -114,10 +138,13 @@ def test_expert_parallel_runs_equal_the_single_process_runs(world, tmp_path):
     for family, method, ep_size in CASES[world]:
         case = f"{family} {method} EP{ep_size} of {world}"
         base = build_tiny(family, output_router_logits=False).train()
-        reference, first, forced = _reference(base, method, world)
+        reference, first, forced, selection = _reference(base, method, world)
         got = results[(family, method, ep_size)]
         assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6), case  # rank 0's share, before a step
         assert got["forced"] == forced and (method != "condenser" or all(forced)), case
+        assert got["selection"] == selection, case  # ESFT: scored on every rank's tokens
+        if method == "esft_scored":
+            assert 0 < sum(map(len, selection.values())) < 8 * len(selection), case  # a strict subset trains
         expected = reference.state_dict()
         assert set(got["state"]) == set(expected), case
         moved, before = 0, base.state_dict()
@@ -127,6 +154,13 @@ def test_expert_parallel_runs_equal_the_single_process_runs(world, tmp_path):
                                        msg=lambda m, name=name, case=case: f"{case} {name}: {m}")
             moved += name in before and value.is_floating_point() and not torch.equal(value, before[name])
         assert moved > 0, case
+        if method.startswith("esft"):  # the frozen experts' slices are bit-identical to the start
+            chosen = selection or OPTIONS[method]["experts"]
+            for name, value in got["state"].items():
+                layer = next((int(n) for n in name.split(".") if n.isdigit()), None)
+                if name.endswith(("gate_up_proj", "down_proj")) and layer in chosen:
+                    frozen = [e for e in range(value.shape[0]) if e not in chosen[layer]]
+                    assert torch.equal(value[frozen], before[name][frozen]), f"{case} {name}"
         if method.startswith("densemixer"):  # the router trained: every expert's output reached its gradient
             routers = [n for n in expected if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
             assert routers and all(not torch.equal(got["state"][n], before[n]) for n in routers), case

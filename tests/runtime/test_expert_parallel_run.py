@@ -63,19 +63,53 @@ def test_ep_run_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path):
         torch.testing.assert_close(d[key], a[key], rtol=0, atol=1e-6, msg=key)
 
 
+#: ESFT-Token scores its selection at fit start under EP (a collective pass over every rank's batches) and trains
+#: the selected slices of each rank's local experts, nothing dense: DDP has nothing to wrap
+ESFT = ("debug=fast", "model=tiny_qwen3_moe", "~callbacks.expert_load", "method=esft_token", "task.trainer.max_steps=4",
+        "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2")
+
+
+@pytest.mark.slow
+def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
+    import json
+
+    ep, ddp, resumed = (tmp_path / n for n in ("ep", "ddp", "resumed"))
+    proc = run_py(*ESFT, "hardware=ddp_cpu_ep", f"hydra.run.dir={ep}", cwd=tmp_path)
+    assert "only expert tensors train, so DDP does not wrap the model" in proc.stdout + proc.stderr
+    run_py(*ESFT, "hardware=ddp_cpu", f"hydra.run.dir={ddp}", cwd=tmp_path)
+    chosen = [json.loads((run / "esft_selection.json").read_text()) for run in (ep, ddp)]
+    assert chosen[0]["experts"] == chosen[1]["experts"] and chosen[0]["tokens"] == chosen[1]["tokens"]
+    for layer, scores in chosen[1]["scores"].items():
+        assert chosen[0]["scores"][layer]["token"] == pytest.approx(scores["token"], abs=1e-9), layer
+    a, b = _export(ep), _export(ddp)
+    assert _losses(ep) == pytest.approx(_losses(ddp), rel=1e-6, abs=1e-6) and len(_losses(ep)) == 4
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():  # both reload in vanilla transformers, whole (8 experts), with the same logits
+        logits = [transformers.AutoModelForCausalLM.from_pretrained(run / "export")(ids).logits for run in (ep, ddp)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+    middle = ep / "checkpoints" / "step-2.ckpt"
+    run_py(*ESFT, "hardware=ddp_cpu_ep", f"task.ckpt_path={middle}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    c = _export(resumed)
+    assert all(torch.equal(a[k], c[k]) for k in a), "ESFT EP resume is not bitwise"
+    # EP keeps whole local expert tensors in the optimizer, DDP only the trained slices: refused by name
+    proc = run_py(*ESFT, "hardware=ddp_cpu", f"task.ckpt_path={middle}", f"hydra.run.dir={tmp_path / 'as_ddp'}",
+                  cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "holds optimizer state for packed expert tensors" in proc.stderr
+    assert "hardware.ep_size (> 1 or 1) that wrote it" in proc.stderr
+
+
 class _Module:
     def __init__(self, method, name=None, **attrs):
         self.method, self.hparams, self.patch = method, {"name": name or method}, None
         self.__dict__.update(attrs)
 
 
-@pytest.mark.parametrize("method,reason", [
-    ("esft", "trained expert slices"), ("compressed_experts", "compressed mixture"),
-    ("mystery", "not proven under expert parallelism"),
-])
+@pytest.mark.parametrize("method,reason", [("mystery", "not proven under expert parallelism")])
 def test_methods_that_cannot_run_under_ep_are_refused_by_name(method, reason):
     with pytest.raises(ValueError, match=rf"method={method} under hardware.ep_size=2: .*{reason}.*sft, frozen_router, "
-                                         "condenser, densemixer"):
+                                         "condenser, densemixer, esft, compressed_experts"):
         expert_parallel.check_method(_Module(method), 2)
     expert_parallel.check_method(_Module(method), 1)  # no EP: nothing to refuse
 
@@ -94,6 +128,8 @@ def test_ep_refusals_for_strategy_masters_and_kd():
 @pytest.mark.slow
 def test_plan_refuses_a_method_under_ep_as_the_run_does(tmp_path):
     proc = run_py("debug=fast", "model=tiny_qwen3_moe", "hardware=ddp_cpu_ep", "method=compressed_experts",
-                  "plan=true", f"hydra.run.dir={tmp_path / 'plan'}", cwd=tmp_path, check=False)
+                  "method.options.form=gate_up_intermediate", "plan=true", f"hydra.run.dir={tmp_path / 'plan'}",
+                  cwd=tmp_path, check=False)
     assert proc.returncode != 0
-    assert "method=compressed_experts under hardware.ep_size=2: its compressed mixture runs" in proc.stderr
+    assert "method=compressed_experts under hardware.ep_size=2: compressed_experts' form=gate_up_intermediate" \
+        in proc.stderr
