@@ -12,7 +12,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
-from ..moe.aux_loss import added_aux_loss, native_aux_loss_coef
+from ..moe.aux_loss import AUX_LOSS_SCOPES, added_aux_loss, native_aux_loss_coef, switch_balance_loss
 from ..plain import to_plain as _plain
 from ..runtime.optimizer_masters import FP32MasterCopies, masters_of, refuse_optimizer_masters
 from ..runtime.precision import apply_master_weights, check_mode
@@ -62,6 +62,7 @@ class MoELightningModule(L.LightningModule):
         name: str | None = None,
         lora: dict | None = None,
         master_weights: str = "fp32",
+        aux_loss_scope: str = "global",
     ):
         super().__init__()
         self.model = model
@@ -69,6 +70,11 @@ class MoELightningModule(L.LightningModule):
         self.patch = apply(model, method, lora=_plain(lora) or None, **(_plain(options) or {}))
         self.aux_loss_coef = self._resolve_aux_loss_coef(aux_loss_coef)
         self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(self.aux_loss_coef) and self.aux_loss_coef > 0
+        if aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"method.aux_loss_scope={aux_loss_scope!r}: choose global (the Switch loss over every "
+                             "data-parallel rank's tokens, as one process on the global batch) or per_rank (each "
+                             "rank's own tokens, as HF's model computes it under DDP)")
+        self.aux_loss_scope = aux_loss_scope
         self.master_weights = check_mode(master_weights)
         self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
         self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
@@ -82,7 +88,7 @@ class MoELightningModule(L.LightningModule):
             "name": name or method, "method": method, "options": _plain(options) or {},
             "aux_loss_coef": aux_loss_coef, "optim": self.optim, "scheduler": self.scheduler_cfg,
             "gradient_checkpointing": gradient_checkpointing, "lora": _plain(lora),
-            "master_weights": master_weights,
+            "master_weights": master_weights, "aux_loss_scope": aux_loss_scope,
         })
 
     # ---- the non-finite guard (every method; method=kd feeds it its own window loss) -------------------------
@@ -178,9 +184,15 @@ class MoELightningModule(L.LightningModule):
         # the token CE exactly as HF computes it inside forward; the aux term is added below, once
         lm_loss = self.model.loss_function(out.logits, labels, self.model.config.vocab_size)
         aux = getattr(out, "aux_loss", None)
+        over_ranks = stage == "train" and self.aux_loss_scope == "global"  # every rank runs each training step
         if self._moe_lab_adds_aux:
             documents = torch.cumsum(batch["position_ids"] == 0, dim=1) if is_packed(batch) else None
-            aux = added_aux_loss(self.patch, out.router_logits, mask, documents)
+            aux = added_aux_loss(self.patch, out.router_logits, mask, documents, over_ranks)
+        elif torch.is_tensor(aux) and over_ranks and self._trainer is not None and self.trainer.world_size > 1:
+            # HF's own Switch loss (the same function), over every rank's tokens
+            layer = self.patch.layers[0]
+            aux = switch_balance_loss(out.router_logits, layer.num_experts, layer.top_k,
+                                      inputs.get("attention_mask"), over_ranks=True)
         loss = lm_loss
         if self.aux_loss_coef > 0 and torch.is_tensor(aux):  # the objective: CE + coef * aux
             loss = lm_loss + self.aux_loss_coef * aux.to(lm_loss.device)

@@ -199,7 +199,7 @@ class KDModule(MoELightningModule):
                 raise ValueError("method.lora with a dense student is not supported by method=kd")
             L.LightningModule.__init__(self)
             self.model, self.method, self.patch = model, method, _DensePatch(model)
-            self.aux_loss_coef, self._moe_lab_adds_aux = 0.0, False
+            self.aux_loss_coef, self._moe_lab_adds_aux, self.aux_loss_scope = 0.0, False, "global"
             self.master_weights = check_mode(master_weights)
             self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
             self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,

@@ -17,6 +17,9 @@ from .registry import config_value
 from .routing import scores_from_logits, select_topk
 
 AUX_LOSSES = ("hf", "sequence", "switch")
+#: which tokens the Switch loss counts under data parallelism: "global" (every rank's: the single-process loss of the
+#: global batch) or "per_rank" (each rank's own, as HF's model computes it inside a DDP / DeepSpeed run)
+AUX_LOSS_SCOPES = ("global", "per_rank")
 
 
 def native_aux_loss_coef(spec, config) -> float:
@@ -66,15 +69,47 @@ def sequence_balance_loss(router_logits, views, token_mask: torch.Tensor,
     return total
 
 
+def switch_balance_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,
+                        over_ranks: bool = False) -> torch.Tensor:
+    """The Switch-Transformer load-balancing loss as HF's ``load_balancing_loss_func`` computes it (Mixtral's, which
+    every ``aux_loss="hf"`` family's modeling code copies; bit for bit on one process): ``E sum_e f_e P_e`` with
+    ``f_e`` the share of top-k assignments to e and ``P_e`` the mean router probability of e, both over every layer's
+    (real, where ``attention_mask`` [B, S] is given) rows. ``over_ranks``: ``f`` and ``P`` over the rows of every
+    process of the default group (the loss of the global batch); the value returned is that loss on every rank, and
+    its gradient, averaged over the ranks as DDP averages, is the global loss's."""
+    logits = tuple(router_logits)
+    device = logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer in logits:
+        weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        ones = torch.ones(selected.numel(), dtype=torch.float32, device=device) if mask is None \
+            else mask.repeat_interleave(top_k)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1), ones)
+        probs = probs + (weights.float().sum(dim=0) if mask is None else (weights.float() * mask[:, None]).sum(0))
+        rows = rows + (weights.shape[0] if mask is None else mask.sum())
+    world = torch.distributed.get_world_size() if over_ranks and torch.distributed.is_initialized() else 1
+    if world == 1:
+        return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
+    totals = torch.cat([counts, rows.view(1), probs.detach()])
+    torch.distributed.all_reduce(totals)
+    counts, rows, global_probs = totals[:num_experts], totals[num_experts], totals[num_experts + 1:]
+    mine = torch.sum((counts / rows) * (probs / rows)) * num_experts * world  # this rank's part, times the world
+    value = torch.sum((counts / rows) * (global_probs / rows)) * num_experts
+    return mine + (value - mine).detach()
+
+
 def added_aux_loss(patch, router_logits, token_mask: torch.Tensor,
-                   sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The load-balancing loss moe-lab adds for ``patch``'s family (registry ``aux_loss``), unscaled."""
+                   sequence_ids: torch.Tensor | None = None, over_ranks: bool = False) -> torch.Tensor:
+    """The load-balancing loss moe-lab adds for ``patch``'s family (registry ``aux_loss``), unscaled. ``over_ranks``:
+    the Switch loss over every rank's tokens (:func:`switch_balance_loss`); the sequence-wise loss is per sequence."""
     kind = patch.spec.aux_loss
     if kind == "sequence":
         return sequence_balance_loss(router_logits, patch.views, token_mask, sequence_ids)
     if kind == "switch":
-        from .patch import switch_aux_loss
-
         layer = patch.layers[0]
-        return switch_aux_loss(router_logits, layer.num_experts, layer.top_k, token_mask)
+        return switch_balance_loss(router_logits, layer.num_experts, layer.top_k, token_mask, over_ranks)
     raise ValueError(f"{patch.spec.model_type}: HF adds its own aux loss (aux_loss={kind!r})")

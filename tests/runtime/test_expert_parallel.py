@@ -32,9 +32,10 @@ OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selectio
            "densemixer_dense": {"forward": "dense", "gradient": "conventional"},
            "esft": {"experts": {0: [1, 2, 6], 1: [0, 1, 2, 3]}}, "esft_scored": {"experts": {}}}
 ESFT_P = 0.3
+AUX = 0.1  # sft_aux: sft with the Switch loss over every rank's tokens (method.aux_loss_scope=global) at this weight
 #: (family, method, ep_size) per world size: one group of processes runs each world's cases in turn
 CASES = {
-    2: [("qwen3_moe", "sft", 2), ("qwen3_moe", "condenser", 2), ("qwen3_moe", "densemixer", 2),
+    2: [("qwen3_moe", "sft_aux", 2), ("qwen3_moe", "condenser", 2), ("qwen3_moe", "densemixer", 2),
         ("olmoe", "densemixer_dense", 2), ("olmoe", "esft", 2), ("qwen3_moe", "esft_scored", 2),
         ("qwen3_moe", "compressed_experts", 2)],
     4: [("qwen3_moe", "frozen_router", 2), ("olmoe", "sft", 4), ("olmoe", "densemixer", 4),
@@ -43,8 +44,23 @@ CASES = {
 
 
 def _install(model, method: str):
-    return moe_lab.apply(model, method.split("_")[0] if method.startswith("esft") else method.split("_dense")[0],
-                         **OPTIONS.get(method, {}))
+    name = method.split("_")[0] if method.startswith("esft") else method.removesuffix("_aux").split("_dense")[0]
+    return moe_lab.apply(model, name, **OPTIONS.get(method, {}))
+
+
+def _model(family: str, method: str):
+    """The tiny model; sft_aux records its router logits (HF's own aux term in ``loss`` weighted 0)."""
+    aux = {"output_router_logits": True, "router_aux_loss_coef": 0.0} if method == "sft_aux" else \
+        {"output_router_logits": False}
+    return build_tiny(family, **aux).train()
+
+
+def _aux(patch, out, batch: dict, over_ranks: bool):
+    from moe_lab.moe.aux_loss import switch_balance_loss
+
+    layer = patch.layers[0]
+    return AUX * switch_balance_loss(out.router_logits, layer.num_experts, layer.top_k, batch["attention_mask"],
+                                     over_ranks=over_ranks)
 
 
 def _esft_select(patch, model, batch, reduce=None) -> dict:
@@ -86,7 +102,7 @@ def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for family, method, ep_size in CASES[world]:
-        model = build_tiny(family, output_router_logits=False).train()
+        model = _model(family, method)
         patch = _install(model, method)
         ep = expert_parallel.install(patch, ep_size)
         mine, losses, selection = _share(_batch(), rank, world), [], None
@@ -96,7 +112,8 @@ def _ep_runs(rank: int, port: int, world: int, out: str) -> None:
         wrapped = DDP(model) if expert_parallel.dense_part_trains(model) else model  # ESFT: only experts train
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
         for _ in range(STEPS):
-            loss = wrapped(**mine).loss
+            output = wrapped(**mine)
+            loss = output.loss + _aux(patch, output, mine, over_ranks=True) if method == "sft_aux" else output.loss
             losses.append(loss.item())
             loss.backward()
             ep.sync_gradients()
@@ -121,8 +138,13 @@ def _reference(base, method: str, world: int):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for _ in range(STEPS):
         shares = [model(**_share(batch, r, world)).loss for r in range(world)]
+        loss = sum(shares) / world
+        if method == "sft_aux":  # the Switch loss of the whole batch: every rank's tokens at once
+            loss = loss + _aux(patch, model(**batch), batch, over_ranks=False)
+            if first is None:
+                first = shares[0].item() + _aux(patch, model(**batch), batch, over_ranks=False).item()
         first = shares[0].item() if first is None else first
-        (sum(shares) / world).backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
         opt.step()
         opt.zero_grad()
@@ -137,7 +159,7 @@ def test_expert_parallel_runs_equal_the_single_process_runs(world, tmp_path):
     results = torch.load(out)
     for family, method, ep_size in CASES[world]:
         case = f"{family} {method} EP{ep_size} of {world}"
-        base = build_tiny(family, output_router_logits=False).train()
+        base = _model(family, method)
         reference, first, forced, selection = _reference(base, method, world)
         got = results[(family, method, ep_size)]
         assert got["losses"][0] == pytest.approx(first, rel=1e-6, abs=1e-6), case  # rank 0's share, before a step
