@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 METHODS = ("sft", "densemixer", "condenser_replace", "condenser_append", "compressed_experts", "esft", "lora",
            "kd", "dense_student")
-STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "ep")
+STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "ep", "ep_ddp")
+MOMENT_BYTES = 8  # AdamW's two fp32 moments per trained parameter: what ZeRO-1 shards beside EP (``ep`` row)
 
 
 @dataclass
@@ -143,10 +144,13 @@ def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, p
     Weights ``param_bytes * P`` (+ a frozen teacher for KD), gradients ``grad_bytes * T``, optimizer
     ``optimizer_bytes * T`` (fp32 master + Adam moments = 12). ZeRO-2 shards gradients and optimizer; ZeRO-3 and
     FSDP (full shard) shard everything and gather one layer at a time (twice the largest layer, prefetch);
-    ZeRO-3 offload keeps parameters, gradients and optimizer states on the CPU. ``ep``: expert parallelism over the
-    ``gpus`` ranks with DDP for the dense part: each rank holds 1/gpus of the routed experts (and of their gradients
-    and optimizer state; trained experts first in ``trainable``), the rest whole; activations as DDP's (each rank
-    runs its own tokens' share of expert work). Its row adds ``all_to_all_gb``: the bytes one rank sends per
+    ZeRO-3 offload keeps parameters, gradients and optimizer states on the CPU. ``ep_ddp``: expert parallelism over
+    the ``gpus`` ranks with DDP for the dense part (``hardware.ep_dense=ddp``): each rank holds 1/gpus of the routed
+    experts (and of their gradients and optimizer state; trained experts first in ``trainable``), the rest whole;
+    activations as DDP's (each rank runs its own tokens' share of expert work). ``ep`` (``hardware.ep_dense=zero1``,
+    the default): the same with the dense part's AdamW moments (``MOMENT_BYTES`` per trained dense parameter)
+    sharded over the ranks, ZeRO stage 1; its fp32 weights and gradients stay whole. Both EP rows add
+    ``all_to_all_gb``: the bytes one rank sends per
     micro-batch of ``tokens`` tokens (dispatch and combine, forward and backward: 4 x tokens x top_k x hidden x
     ``elem`` per MoE layer, the share (gpus - 1) / gpus that leaves the rank; 0 for the other rows), and with
     ``inactive_pass`` (DenseMixer: every token through every expert outside its top-k, dispatched without autograd)
@@ -158,22 +162,25 @@ def memory(counts: ParamCounts, trainable: int, act_bytes: dict, *, gpus: int, p
     routed = sum(s.num_experts * s.matmul_params_per_expert for s in counts.experts)
     routed_trained = min(routed, trainable)
     kept = 1 - 1 / gpus  # the share of an EP rank's experts (and of its all-to-all rows) that lives elsewhere
-    ep = (w - routed * param_bytes * kept, g - routed_trained * grad_bytes * kept,
-          o - routed_trained * optimizer_bytes * kept)
+    ep_ddp = (w - routed * param_bytes * kept, g - routed_trained * grad_bytes * kept,
+              o - routed_trained * optimizer_bytes * kept)
+    ep = (*ep_ddp[:2], ep_ddp[2] - (trainable - routed_trained) * min(MOMENT_BYTES, optimizer_bytes) * kept)
     exchanged = 4 * tokens * sum(s.top_k * s.hidden for s in counts.experts) * elem * kept
     if inactive_pass:
         exchanged += 2 * tokens * sum((s.num_experts - s.top_k) * s.hidden for s in counts.experts) * elem * kept
     rows = []
     for strategy in STRATEGIES:
         gpu = {"ddp": (w, g, o), "zero2": (w, g / gpus, o / gpus), "zero3": (w / gpus + layer, g / gpus, o / gpus),
-               "fsdp": (w / gpus + layer, g / gpus, o / gpus), "zero3_offload": (layer, 0, 0), "ep": ep}[strategy]
+               "fsdp": (w / gpus + layer, g / gpus, o / gpus), "zero3_offload": (layer, 0, 0), "ep": ep,
+               "ep_ddp": ep_ddp}[strategy]
         cpu = w + g + o if strategy == "zero3_offload" else 0
         for ckpt in (False, True):
             act = act_bytes["checkpointed" if ckpt else "full"]
             rows.append({"strategy": strategy, "activation_checkpointing": ckpt, "gpus": gpus,
                          "params_gb": gpu[0] / 2**30, "grads_gb": gpu[1] / 2**30, "optimizer_gb": gpu[2] / 2**30,
                          "activations_gb": act / 2**30, "gpu_total_gb": (sum(gpu) + act) / 2**30,
-                         "cpu_gb": cpu / 2**30, "all_to_all_gb": exchanged / 2**30 if strategy == "ep" else 0.0})
+                         "cpu_gb": cpu / 2**30,
+                         "all_to_all_gb": exchanged / 2**30 if strategy.startswith("ep") else 0.0})
     return rows
 
 

@@ -14,6 +14,7 @@ from torchmetrics.aggregation import MeanMetric
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import AUX_LOSS_SCOPES, added_aux_loss, native_aux_loss_coef, switch_balance_loss
 from ..plain import to_plain as _plain
+from ..runtime.ep_optimizer import DenseShardedAdamW
 from ..runtime.optimizer_masters import FP32MasterCopies, masters_of, refuse_optimizer_masters
 from ..runtime.precision import apply_master_weights, check_mode
 from ..runtime.refusals import check_fsdp_clipping, check_schedule_length
@@ -260,10 +261,13 @@ class MoELightningModule(L.LightningModule):
         groups = [{"params": decay, "weight_decay": self.optim["weight_decay"]},
                   {"params": no_decay, "weight_decay": 0.0},
                   {"params": masked, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.optim["lr"], betas=tuple(self.optim["betas"]),
-            eps=self.optim["eps"],
-        )
+        groups = [g for g in groups if g["params"]]
+        adamw = {"lr": self.optim["lr"], "betas": tuple(self.optim["betas"]), "eps": self.optim["eps"]}
+        ep = getattr(self.patch, "expert_parallel", None)
+        if ep is not None and ep.dense == "zero1":  # the dense part's state sharded over every rank
+            optimizer = DenseShardedAdamW(groups, ep, **adamw)
+        else:
+            optimizer = torch.optim.AdamW(groups, **adamw)
         self.zero_slice_decay = None
         if masked and self.optim["weight_decay"]:
             slices, wd = self.patch.expert_slice_masks.values(), self.optim["weight_decay"]

@@ -47,6 +47,18 @@ def ep_size(cfg) -> int:
     return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)
 
 
+def ep_dense(cfg) -> str:
+    """``hardware.ep_dense`` of a run config: how the dense part's optimizer state lives under EP, ``zero1`` (sharded
+    over every rank, :mod:`.ep_optimizer`) or ``ddp`` (whole on every rank); ``zero1`` where the config has none."""
+    from .ep_optimizer import EP_DENSE
+
+    value = OmegaConf.select(cfg, "hardware.ep_dense", default="zero1")
+    if value not in EP_DENSE:
+        raise ValueError(f"hardware.ep_dense={value!r}: choose zero1 (the dense part's AdamW state sharded over every "
+                         "rank, ZeRO stage 1) or ddp (whole on every rank)")
+    return value
+
+
 def check_method(module, ep_size: int) -> None:
     """Refuse, by name, a method (its installer), LoRA on experts or fp32 masters in the optimizer that cannot run
     under ``hardware.ep_size > 1`` (plan and run call it through :func:`~.refusals.refuse_before_first_step`)."""
@@ -96,6 +108,7 @@ class ExpertParallel:
     dp_group: object  # the ranks that own the same experts (one per data-parallel replica)
     world: int
     sharded: list[_Sharded] = field(default_factory=list)
+    dense: str = "ddp"  # hardware.ep_dense: the dense part's optimizer state sharded (zero1) or whole (ddp)
 
     @property
     def local_parameters(self) -> list[nn.Parameter]:
@@ -386,10 +399,11 @@ class ExpertParallelHooks(Callback):
     """The Lightning side of ``hardware.ep_size``: install EP at ``setup`` (after the process group exists, before
     DDP wraps the module, whose reducer then skips the expert tensors), make the optimizer's state gather and slice
     the experts at fit start (before a resumed state loads), and sum the experts' gradients at each window's last
-    backward (before the callbacks read them and the module clips them, :meth:`ExpertParallel.clip_gradients`)."""
+    backward (before the callbacks read them and the module clips them, :meth:`ExpertParallel.clip_gradients`).
+    ``dense``: ``hardware.ep_dense`` (the module's optimizer then shards the dense part's state, ``zero1``)."""
 
-    def __init__(self, ep_size: int):
-        self.ep_size = int(ep_size)
+    def __init__(self, ep_size: int, dense: str = "ddp"):
+        self.ep_size, self.dense = int(ep_size), dense
         self.state: ExpertParallel | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -398,13 +412,17 @@ class ExpertParallelHooks(Callback):
         from torch.nn.parallel import DistributedDataParallel
 
         self.state = install(pl_module.patch, self.ep_size, trainer.strategy.root_device.type)
+        self.state.dense = self.dense
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             pl_module, self.state.parameter_names(pl_module))
         _wrap_only_a_training_dense_part(trainer.strategy)
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        from .ep_optimizer import DenseShardedAdamW
+
         for optimizer in trainer.optimizers:
-            self.state.attach_optimizer(optimizer)
+            if not isinstance(optimizer, DenseShardedAdamW):  # which gathers its experts' state itself
+                self.state.attach_optimizer(optimizer)
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if not trainer.fit_loop._should_accumulate():

@@ -9,18 +9,19 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from .expert_parallel import ep_size
+from .expert_parallel import ep_dense, ep_size
 from .strategies import config_strategy_kind
 
 log = logging.getLogger(__name__)
 
 #: estimate strategy -> the hardware setting that runs it (ddp on one GPU: hardware=gpu)
 HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
-            "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp", "ep": "gpu_ep"}
+            "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp", "ep": "gpu_ep",
+            "ep_ddp": "gpu_ep hardware.ep_dense=ddp"}
 #: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
 #: parameters)
-REFUSED = {"esft": ("fsdp",), "lora": ("fsdp", "ep"),
-           "kd": ("ep",), "dense_student": ("ep",)}  # ep: moe_lab.runtime.expert_parallel.EP_REFUSED
+REFUSED = {"esft": ("fsdp",), "lora": ("fsdp", "ep", "ep_ddp"),  # ep: moe_lab.runtime.expert_parallel.EP_REFUSED
+           "kd": ("ep", "ep_ddp"), "dense_student": ("ep", "ep_ddp")}
 ASSUMED_GPU_GB = 80.0  # GiB: the papers' machines, 8 x 80 GB GPUs (A100/H100 80GB: 80 GiB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -71,7 +72,8 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
     (default ``gpus``; the sharded settings run on every GPU of the node), refused strategies left out."""
     experts_over = ep_size(cfg)
     method = estimate_method(cfg)
-    strategy = "ep" if experts_over > 1 else estimate_strategy(cfg.hardware.trainer)
+    strategy = ("ep" if ep_dense(cfg) == "zero1" else "ep_ddp") if experts_over > 1 else \
+        estimate_strategy(cfg.hardware.trainer)
     seq_len, batch = sequence(cfg)
     ckpt = bool(cfg.method.get("gradient_checkpointing", False))
     n = int(OmegaConf.select(cfg, "method.options.n", default=2) or 2) if method.startswith("condenser") else 2
@@ -89,7 +91,7 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
         return {r["strategy"]: r for r in result["methods"][method]["memory"] if r["activation_checkpointing"] == ckpt}
 
     alternatives = rows(alt)
-    current = rows(experts_over) if strategy == "ep" else alternatives if strategy == "ddp" or alt == gpus \
+    current = rows(experts_over) if strategy.startswith("ep") else alternatives if strategy == "ddp" or alt == gpus \
         else rows(gpus)
     names = {**HARDWARE, "ddp": "gpu" if gpus <= 1 else "gpu_ddp"}
     options = [(HARDWARE[s] if s != "ddp" else names["ddp"], r["gpu_total_gb"]) for s, r in alternatives.items()
@@ -97,7 +99,8 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
     return {"method": method, "strategy": strategy, "hardware": names[strategy], "checkpointing": ckpt,
             "seq_len": seq_len, "batch": batch, "gpus": gpus, "alternatives_gpus": alt,
             "gpu_gb": current[strategy]["gpu_total_gb"], "cpu_gb": current[strategy]["cpu_gb"], "options": options,
-            **({"ep_size": experts_over, "all_to_all_gb": current["ep"]["all_to_all_gb"]} if strategy == "ep" else {})}
+            **({"ep_size": experts_over, "all_to_all_gb": current[strategy]["all_to_all_gb"]}
+               if strategy.startswith("ep") else {})}
 
 
 def device_memory_gb(cfg: DictConfig) -> tuple[float | None, str]:

@@ -209,16 +209,17 @@ def refuse_unsupported(module, kind: str, precision: str | None = None) -> None:
                              "tensors, which FSDP flattens and shards: use hardware=gpu_ddp or deepspeed_zero2/3")
 
 
-def prepare(trainer, module, ep_size: int = 1) -> None:
+def prepare(trainer, module, ep_size: int = 1, ep_dense: str = "ddp") -> None:
     """Before ``trainer.fit``: refuse unsupported method x strategy pairs, mark ZeRO-3 leaf modules, set FSDP's
     wrapping (one unit per decoder layer) and fp32 master weights, keep routing buffers in fp32, and install
-    expert parallelism (``ep_size > 1``, :class:`~.expert_parallel.ExpertParallelHooks`)."""
+    expert parallelism (``ep_size > 1``, :class:`~.expert_parallel.ExpertParallelHooks`; ``ep_dense``: its dense
+    part's optimizer state sharded, ``zero1``, or whole, ``ddp``)."""
     strategy = trainer.strategy
     kind = strategy_kind(strategy)
     if ep_size > 1:
         from .expert_parallel import ExpertParallelHooks
 
-        trainer.callbacks.append(ExpertParallelHooks(ep_size))
+        trainer.callbacks.append(ExpertParallelHooks(ep_size, ep_dense))
     if kind in ("single", "ddp") or not hasattr(getattr(module, "model", None), "config"):
         return
     _refuse(module, strategy)

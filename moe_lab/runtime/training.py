@@ -28,7 +28,7 @@ from .checkpoint_io import (
     check_resumable,
     read_checkpoint,
 )
-from .expert_parallel import ep_size
+from .expert_parallel import ep_dense, ep_size
 from .precision import export_in_load_dtype
 from .refusals import refuse_before_first_step
 from .resume import (
@@ -130,7 +130,7 @@ def _finetune(cfg: DictConfig) -> dict:
     timer, on_signal = StepTimerCallback(), CheckpointOnSignal(out / "checkpoints" / "last.ckpt")
     requeue = slurm.SubmititRequeue()
     trainer = build_trainer(cfg, out, loggers, [*callbacks, timer, on_signal, _RunInfo(cfg), LastStepCheckpoint()])
-    prepare(trainer, module, ep_size(cfg))
+    prepare(trainer, module, ep_size(cfg), ep_dense(cfg))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     except SIGTERMException:

@@ -52,16 +52,24 @@ def test_qwen3_active_by_hand():
 
 
 def test_expert_parallel_row_by_hand(big):
-    """EP8 with DDP for the dense part, Qwen3-30B-A3B: the ddp row less 7/8 of the routed experts' weights,
-    gradients and optimizer state (2 + 2 + 12 bytes each), and an all-to-all of 4 x tokens x k x H x 2 bytes per
+    """EP8 with DDP for the dense part (ep_ddp), Qwen3-30B-A3B: the ddp row less 7/8 of the routed experts' weights,
+    gradients and optimizer state (2 + 2 + 12 bytes each); with ZeRO-1 for it (ep) also 7/8 of the dense part's
+    AdamW moments (8 bytes per trained parameter); and an all-to-all of 4 x tokens x k x H x 2 bytes per
     layer of which 7/8 leaves the rank."""
     h, i, layers, e, k, tokens = 2048, 768, 48, 128, 8, 16
     routed = layers * e * 3 * h * i
     rows = {r["strategy"]: r for r in big["qwen3_moe"]["methods"]["sft"]["memory"] if not r["activation_checkpointing"]}
     ddp, ep = rows["ddp"], rows["ep"]
-    for key, per in (("params_gb", 2), ("grads_gb", 2), ("optimizer_gb", 12)):
+    for key, per in (("params_gb", 2), ("grads_gb", 2)):
         assert ep[key] == pytest.approx(ddp[key] - routed * per * 7 / 8 / 2**30, rel=1e-12), key
     assert ep["activations_gb"] == ddp["activations_gb"]
+    # hardware.ep_dense=ddp keeps the dense part's AdamW state whole; the ep row (zero1) shards its two fp32 moments
+    whole = rows["ep_ddp"]
+    dense_trained = big["qwen3_moe"]["methods"]["sft"]["params_trainable"] - routed
+    assert whole["optimizer_gb"] == pytest.approx(ddp["optimizer_gb"] - routed * 12 * 7 / 8 / 2**30, rel=1e-12)
+    assert ep["optimizer_gb"] == pytest.approx(whole["optimizer_gb"] - dense_trained * 8 * 7 / 8 / 2**30, rel=1e-12)
+    assert (ep["params_gb"], ep["grads_gb"], ep["all_to_all_gb"]) == \
+        (whole["params_gb"], whole["grads_gb"], whole["all_to_all_gb"])
     assert ep["all_to_all_gb"] == pytest.approx(4 * tokens * k * h * 2 * layers * 7 / 8 / 2**30, rel=1e-12)
     # DenseMixer also sends every token to every expert outside its top-k once (forward only, in the backward pass)
     dm = next(r for r in big["qwen3_moe"]["methods"]["densemixer"]["memory"]

@@ -1,5 +1,6 @@
-"""``python run.py hardware=ddp_cpu_ep`` (expert parallelism on 2 CPU processes) as a user runs it: it resumes
-bitwise from its own checkpoint, resumes under EP 1 (plain DDP) from it and then trains what EP trains (the EP math
+"""``python run.py hardware=ddp_cpu_ep`` (expert parallelism on 2 CPU processes, the dense part's AdamW state sharded
+by ZeRO-1) as a user runs it: it resumes bitwise from its own checkpoint, resumes under EP 1 (plain DDP, a plain
+AdamW) from it and then trains what EP trains (the EP math
 against the single process is tests/runtime/test_expert_parallel.py), and exports a vanilla checkpoint;
 what cannot run under EP is refused by name, in the plan and the run."""
 
@@ -36,6 +37,7 @@ def test_ep_run_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path):
     ep, resumed, as_ddp = (tmp_path / n for n in ("ep", "resumed", "as_ddp"))
     proc = run_py(*COMMON, "hardware=ddp_cpu_ep", f"hydra.run.dir={ep}", cwd=tmp_path)
     assert "4 of 8 experts on EP rank 0 of 2" in proc.stdout + proc.stderr
+    assert "the dense part's AdamW moments sharded over 2 ranks (ZeRO-1" in proc.stdout + proc.stderr
     a = _export(ep)
     # the export is whole: every expert, in vanilla transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(ep / "export")
