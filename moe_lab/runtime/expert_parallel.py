@@ -210,7 +210,7 @@ class ExpertParallel:
                 param = getattr(shard.experts, name)
                 param.data = self._gather(param.data, shard.num_experts)
                 _remap_slices(shard.patch, shard.block, param, param,  # ESFT's masks over the whole experts
-                              lambda rows: self._gather(rows.to(torch.uint8), shard.num_experts).bool())
+                              lambda rows, shard=shard: self._gather(rows.to(torch.uint8), shard.num_experts).bool())
             shard.experts.num_experts = shard.num_experts
             del shard.experts.forward, shard.experts.moe_lab_expert_parallel, shard.experts.moe_lab_expert_range
             for handle in shard.handles:
@@ -352,7 +352,7 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
             param = getattr(experts, name)
             sharded = nn.Parameter(param.detach()[lo:lo + local].clone(), requires_grad=param.requires_grad)
             setattr(experts, name, sharded)
-            _remap_slices(patch, block, param, sharded, lambda rows: rows[lo:lo + local])
+            _remap_slices(patch, block, param, sharded, lambda rows, lo=lo, local=local: rows[lo:lo + local])
         experts.num_experts = local
         experts.moe_lab_expert_range = (lo, lo + local)  # what moe-lab's expert masks index (moe/patch.py)
         engine = AllToAllEP(experts, mesh["ep"], mesh["tp"])

@@ -17,7 +17,7 @@ from moe_lab.moe.registry import FAMILIES
 from tests.conftest import build_tiny, random_batch, run_ranks
 
 SWITCH = sorted(name for name, spec in FAMILIES.items() if spec.aux_loss in ("hf", "switch"))
-BATCH = dict(batch=4, seq=10, pad_rows=((0, 1), (1, 7), (3, 2)))  # rank 0 (rows 0-1) has fewer real tokens
+BATCH = {"batch": 4, "seq": 10, "pad_rows": ((0, 1), (1, 7), (3, 2))}  # rank 0 (rows 0-1) has fewer real tokens
 
 
 def _routed(family: str, batch: dict):
