@@ -1,14 +1,18 @@
 """``python run.py hardware=ddp_cpu_ep`` (expert parallelism on 2 CPU processes, the dense part's AdamW state sharded
-by ZeRO-1) as a user runs it: it resumes bitwise from its own checkpoint, resumes under EP 1 (plain DDP, a plain
-AdamW) from it and then trains what EP trains (the EP math
+by ZeRO-1) as a user runs it: it resumes under EP 1 (plain DDP, a plain
+AdamW) from it and then trains what EP trains, and killed by SIGKILL on one rank it resumes with
+``task.resume=<run dir>`` to the uninterrupted run's export, bit for bit (the EP math
 against the single process is tests/runtime/test_expert_parallel.py), and exports a vanilla checkpoint;
 what cannot run under EP is refused by name, in the plan and the run."""
 
 from __future__ import annotations
 
 import csv
+import os
+import signal
 from pathlib import Path
 
+import lightning as L
 import pytest
 import safetensors.torch
 import torch
@@ -16,6 +20,7 @@ import transformers
 
 from moe_lab.runtime import expert_parallel
 from moe_lab.runtime.refusals import refuse_expert_parallel
+from tests.conftest import ROOT
 from tests.test_run import run_py
 
 #: the condenser with its forward-only pre-phase before step 0 (a collective pass of its own under EP)
@@ -32,9 +37,29 @@ def _losses(run: Path) -> list[float]:
         return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
+class KillOnce(L.Callback):
+    """SIGKILL on rank ``rank`` right after optimizer step ``step``, once: ``marker`` records it (the resumed run,
+    whose saved command line holds this callback too, then runs through)."""
+
+    def __init__(self, step: int, rank: int, marker: str):
+        self.step, self.rank, self.marker = step, rank, Path(marker)
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and not self.marker.exists():
+            self.marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill(tmp_path: Path) -> tuple[str, ...]:
+    """kill -9 of rank 1 right after step 4 (the step-3 checkpoint is complete), as the signal matrix kills runs."""
+    return ("+callbacks.kill._target_=tests.runtime.test_expert_parallel_run.KillOnce", "+callbacks.kill.step=4",
+            "+callbacks.kill.rank=1", f"+callbacks.kill.marker={tmp_path / 'killed.marker'}")
+
+
 @pytest.mark.slow
-def test_ep_run_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path):
-    ep, resumed, as_ddp = (tmp_path / n for n in ("ep", "resumed", "as_ddp"))
+def test_ep_run_killed_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path, monkeypatch):
+    ep, killed, as_ddp = (tmp_path / n for n in ("ep", "killed", "as_ddp"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # the callback
     proc = run_py(*COMMON, "hardware=ddp_cpu_ep", f"hydra.run.dir={ep}", cwd=tmp_path)
     assert "4 of 8 experts on EP rank 0 of 2" in proc.stdout + proc.stderr
     assert "the dense part's AdamW moments sharded over 2 ranks (ZeRO-1" in proc.stdout + proc.stderr
@@ -50,10 +75,15 @@ def test_ep_run_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_path):
     assert expert_keys and all(ckpt["state_dict"][k].shape[0] == 8 for k in expert_keys)  # whole, not rank 0's half
     assert {s["exp_avg"].shape[0] for s in ckpt["optimizer_states"][0]["state"].values()
             if s["exp_avg"].dim() == 3} == {8}
+    # killed: rank 1 dies by SIGKILL, rank 0 fails at its next collective; the documented resume continues from the
+    # newest complete checkpoint (step 3) to the uninterrupted run's export, bit for bit
+    proc = run_py(*COMMON, *_kill(tmp_path), "hardware=ddp_cpu_ep", f"hydra.run.dir={killed}", cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and not (killed / "export").exists()
+    run_py(*COMMON, "hardware=ddp_cpu_ep", f"task.resume={killed}", cwd=tmp_path)
+    c = _export(killed)
+    assert all(torch.equal(a[k], c[k]) for k in a), "EP resume after kill -9 is not bitwise"
+    assert _losses(killed) == _losses(ep)
     resume = f"task.ckpt_path={middle}"
-    run_py(*COMMON, "hardware=ddp_cpu_ep", resume, f"hydra.run.dir={resumed}", cwd=tmp_path)
-    c = _export(resumed)
-    assert all(torch.equal(a[k], c[k]) for k in a), "EP resume is not bitwise"
     # EP 2 -> EP 1 (plain DDP) for steps 4-6: EP changes where the experts live and the order of float32 sums,
     # nothing else (clipping at 1.0 included), so the losses and the export are the EP run's
     run_py(*COMMON, "hardware=ddp_cpu", resume, f"hydra.run.dir={as_ddp}", cwd=tmp_path)
