@@ -1,9 +1,9 @@
 """``python run.py hardware=ddp_cpu_ep`` (expert parallelism on 2 CPU processes, the dense part's AdamW state sharded
-by ZeRO-1) as a user runs it: it resumes under EP 1 (plain DDP, a plain
-AdamW) from it and then trains what EP trains, and killed by SIGKILL on one rank it resumes with
-``task.resume=<run dir>`` to the uninterrupted run's export, bit for bit (the EP math
-against the single process is tests/runtime/test_expert_parallel.py), and exports a vanilla checkpoint;
-what cannot run under EP is refused by name, in the plan and the run."""
+by ZeRO-1) as a user runs it: killed by SIGKILL on one rank, it resumes with ``task.resume=<run dir>`` to the
+uninterrupted run's export, bit for bit; its checkpoint resumes under EP 1 (plain DDP, a plain AdamW), which then
+trains what EP trains (the EP math against the single process is tests/runtime/test_expert_parallel.py); the export
+is a vanilla checkpoint; ESFT under EP selects and trains as under DDP; what cannot run under EP is refused by name,
+in the plan and the run."""
 
 from __future__ import annotations
 
