@@ -112,6 +112,8 @@ def splits_lora(view) -> bool:
     """Whether LoRA on ``view``'s experts can run split: packed tensors (not DBRX's rows) weighted on the output
     (not Llama 4's weight-scaled inputs), with adapters installed."""
     experts = view.experts
+    if hasattr(experts, "moe_lab_expert_parallel"):  # EP: the dispatched call, on each rank's adapted experts
+        return False
     return (view.layout.packed and not view.spec.weight_on_input and parametrize.is_parametrized(experts)
             and getattr(experts, "has_gate", True) and not getattr(experts, "has_post_expert_norm", False))
 

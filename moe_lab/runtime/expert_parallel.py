@@ -74,9 +74,10 @@ def check_method(module, ep_size: int) -> None:
     if installer not in EP_INSTALLERS:
         raise ValueError(f"{where}: not proven under expert parallelism; {runs}")
     patch = getattr(module, "patch", None)
-    if patch is not None and any(getattr(block, "split_lora", None) for block in patch.layers):
-        raise ValueError(f"{where}: LoRA on experts runs its adapters on the packed expert weights outside the "
-                         "dispatched experts call; drop 'experts' from method.lora.targets or use hardware.ep_size=1")
+    if patch is not None and any(k.endswith((".lora0", ".lora1")) for k in patch.expert_slice_masks):
+        raise ValueError(f"{where}: LoRA on ESFT's selected experts masks the adapters' gradients by hooks that EP "
+                         "does not move to the sharded adapters; drop 'experts' from method.lora.targets or use "
+                         "hardware.ep_size=1")
     if patch is not None and any(getattr(getattr(block, "compressed_experts", None), "up_input_scale", None)
                                  is not None for block in patch.layers):
         raise ValueError(f"{where}: compressed_experts' form=gate_up_intermediate scales the gate and up inputs and "
@@ -91,7 +92,7 @@ def check_method(module, ep_size: int) -> None:
 @dataclass
 class _Sharded:
     experts: nn.Module
-    names: list[str]  # the expert tensors' attribute names in ``experts``
+    names: list[str]  # the expert tensors' paths in ``experts`` (LoRA: parametrizations.<name>.original, .0.lora_A)
     num_experts: int  # global
     handles: list = field(default_factory=list)  # its state-dict hooks
     patch: object = None
@@ -112,7 +113,7 @@ class ExpertParallel:
 
     @property
     def local_parameters(self) -> list[nn.Parameter]:
-        return [getattr(s.experts, n) for s in self.sharded for n in s.names]
+        return [s.experts.get_parameter(n) for s in self.sharded for n in s.names]
 
     def parameter_names(self, root: nn.Module) -> list[str]:
         """The expert tensors' names in ``root`` (for DDP's ignore list)."""
@@ -165,7 +166,7 @@ class ExpertParallel:
         """Make ``optimizer``'s ``state_dict`` hold the local experts' states gathered over the EP group (every rank
         calls it, as Lightning's checkpoint dump does) and its ``load_state_dict`` keep this rank's slice."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        totals = {id(getattr(s.experts, n)): s.num_experts for s in self.sharded for n in s.names}
+        totals = {id(s.experts.get_parameter(n)): s.num_experts for s in self.sharded for n in s.names}
         experts = {i: totals[id(p)] for i, p in enumerate(params) if id(p) in totals}
 
         def gather(opt, state_dict):
@@ -207,7 +208,7 @@ class ExpertParallel:
         and expert count return: after fit, for the export and anything that runs the model on one rank."""
         for shard in self.sharded:
             for name in shard.names:
-                param = getattr(shard.experts, name)
+                param = shard.experts.get_parameter(name)
                 param.data = self._gather(param.data, shard.num_experts)
                 _remap_slices(shard.patch, shard.block, param, param,  # ESFT's masks over the whole experts
                               lambda rows, shard=shard: self._gather(rows.to(torch.uint8), shard.num_experts).bool())
@@ -346,12 +347,14 @@ def install(patch, ep_size: int, device_type: str = "cpu") -> ExpertParallel:
             raise ValueError(f"hardware.ep_size={ep_size} must divide the {total} experts of layer {view.index}")
         local = total // ep_size
         lo = state.ep_rank * local
-        names = [n for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == total]
+        # every per-expert tensor, LoRA's parametrized base weights and adapters included (each rank adapts its own)
+        names = [n for n, p in experts.named_parameters() if p.dim() >= 2 and p.shape[0] == total]
         shard = _Sharded(experts, names, total, patch=patch, block=block)
         for name in names:
-            param = getattr(experts, name)
+            param = experts.get_parameter(name)
             sharded = nn.Parameter(param.detach()[lo:lo + local].clone(), requires_grad=param.requires_grad)
-            setattr(experts, name, sharded)
+            owner, _, leaf = name.rpartition(".")
+            setattr(experts.get_submodule(owner), leaf, sharded)
             _remap_slices(patch, block, param, sharded, lambda rows, lo=lo, local=local: rows[lo:lo + local])
         experts.num_experts = local
         experts.moe_lab_expert_range = (lo, lo + local)  # what moe-lab's expert masks index (moe/patch.py)

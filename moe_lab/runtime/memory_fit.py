@@ -20,7 +20,7 @@ HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_ze
             "ep_ddp": "gpu_ep hardware.ep_dense=ddp"}
 #: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
 #: parameters)
-REFUSED = {"esft": ("fsdp",), "lora": ("fsdp", "ep", "ep_ddp"),  # ep: moe_lab.runtime.expert_parallel.EP_REFUSED
+REFUSED = {"esft": ("fsdp",), "lora": ("fsdp",),  # ep, ep_ddp: moe_lab.runtime.expert_parallel.EP_REFUSED
            "kd": ("ep", "ep_ddp"), "dense_student": ("ep", "ep_ddp")}
 ASSUMED_GPU_GB = 80.0  # GiB: the papers' machines, 8 x 80 GB GPUs (A100/H100 80GB: 80 GiB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -26,26 +26,32 @@ pytestmark = pytest.mark.slow
 BATCH, STEPS, LR, CLIP = 4, 3, 5e-2, 0.5
 #: condenser: biases from the loads of every rank's tokens, condensers chosen after the second update, in the run;
 #: densemixer_dense: the paper's ablation (dense forward, conventional gradient)
+#: sft_lora / densemixer_lora: LoRA on every linear target, experts included (each rank adapts its own experts);
 #: esft: a selection installed before EP shards the experts (layer 1: all of EP rank 0's experts, none of rank 1's);
 #: esft_scored: ESFT-Token's selection scored under EP on every rank's tokens, installed on the sharded experts
 OPTIONS = {"condenser": {"gamma": 1e-2, "n": 1, "selection": "in_run", "selection_updates": 2},
            "densemixer_dense": {"forward": "dense", "gradient": "conventional"},
-           "esft": {"experts": {0: [1, 2, 6], 1: [0, 1, 2, 3]}}, "esft_scored": {"experts": {}}}
+           "esft": {"experts": {0: [1, 2, 6], 1: [0, 1, 2, 3]}}, "esft_scored": {"experts": {}},
+           "sft_lora": {"lora": {"rank": 4, "alpha": 8.0}}, "densemixer_lora": {"lora": {"rank": 4, "alpha": 8.0}}}
 ESFT_P = 0.3
 AUX = 0.1  # sft_aux: sft with the Switch loss over every rank's tokens (method.aux_loss_scope=global) at this weight
 #: (family, method, ep_size) per world size: one group of processes runs each world's cases in turn
 CASES = {
     2: [("qwen3_moe", "sft_aux", 2), ("qwen3_moe", "condenser", 2), ("qwen3_moe", "densemixer", 2),
         ("olmoe", "densemixer_dense", 2), ("olmoe", "esft", 2), ("qwen3_moe", "esft_scored", 2),
-        ("qwen3_moe", "compressed_experts", 2)],
+        ("qwen3_moe", "compressed_experts", 2), ("qwen3_moe", "sft_lora", 2), ("olmoe", "densemixer_lora", 2)],
     4: [("qwen3_moe", "frozen_router", 2), ("olmoe", "sft", 4), ("olmoe", "densemixer", 4),
         ("olmoe", "esft_scored", 4)],
 }
 
 
+#: the cases' variants of a method
+VARIANT_OF = {"sft_aux": "sft", "sft_lora": "sft", "esft_scored": "esft", "densemixer_dense": "densemixer",
+              "densemixer_lora": "densemixer"}
+
+
 def _install(model, method: str):
-    name = method.split("_")[0] if method.startswith("esft") else method.removesuffix("_aux").split("_dense")[0]
-    return moe_lab.apply(model, name, **OPTIONS.get(method, {}))
+    return moe_lab.apply(model, VARIANT_OF.get(method, method), **OPTIONS.get(method, {}))
 
 
 def _model(family: str, method: str):
