@@ -91,15 +91,6 @@ def test_multirun_grid_over_every_method_writes_one_summary_table(tmp_path):
     assert float(ratios["sft"]) == 1.0 and all(float(v) > 0 for v in ratios.values())
 
 
-def test_ddp_on_two_cpu_processes(tmp_path):
-    out = tmp_path / "run"
-    run_py("hardware=ddp_cpu", "debug=fast", "task.trainer.max_steps=4", f"hydra.run.dir={out}", cwd=tmp_path)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["global_step"] == 4
-    assert _column(out / "metrics.csv", "train/loss")
-    assert (out / "export" / "model.safetensors").exists()
-
-
 @pytest.mark.parametrize("override,expected", [
     ("model=tiny_llama", "tiny_olmoe"),
     ("method=densemixr", "frozen_router"),
@@ -117,18 +108,6 @@ def test_top_k_above_experts_fails_naming_the_field(tmp_path):
     assert proc.returncode != 0
     assert "num_experts_per_tok" in proc.stderr and "top_k=12" in proc.stderr
     assert (tmp_path / "r" / "config.yaml").exists()  # what was written before the error is kept
-
-
-def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path):
-    common = ("debug=fast", "~callbacks.expert_load", "task.checkpoint_every_n_steps=3", "dataset.num_examples=64")
-    first = tmp_path / "first"
-    run_py(*common, "task.trainer.max_steps=3", f"hydra.run.dir={first}", cwd=tmp_path)
-    ckpt = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)  # plain hyperparameters only
-    assert ckpt["global_step"] == 3
-    second = tmp_path / "second"
-    run_py(*common, f"task.ckpt_path={first / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={second}", cwd=tmp_path)
-    assert json.loads((second / "summary.json").read_text())["global_step"] == 6
-    assert not list((first / "checkpoints").glob(".*.tmp"))  # atomic writes leave no partial files
 
 
 def test_lightning_log_lines_print_once_and_reach_run_log(tmp_path):
