@@ -288,4 +288,6 @@ class MoELightningModule(L.LightningModule):
         schedule = partial(lr_multiplier, total_steps=total, name=s["name"], warmup_steps=warmup,
                            min_lr_ratio=float(s["min_lr_ratio"]))
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
+        # the learning-rate column keeps AdamW's name whichever class steps it (EP's ZeRO-1 composite included)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step",
+                                                         "name": "lr-AdamW"}}

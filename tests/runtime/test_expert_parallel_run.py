@@ -97,8 +97,8 @@ def test_ep_run_killed_resumes_bitwise_and_under_ep_1_where_it_equals_ddp(tmp_pa
 
 #: ESFT-Token scores its selection at fit start under EP (a collective pass over every rank's batches) and trains
 #: the selected slices of each rank's local experts, nothing dense: DDP has nothing to wrap
-ESFT = ("debug=fast", "model=tiny_qwen3_moe", "~callbacks.expert_load", "method=esft_token", "task.trainer.max_steps=4",
-        "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2")
+ESFT = ("debug=fast", "model=tiny_qwen3_moe", "callbacks.expert_load.log_every_n_steps=2", "method=esft_token",
+        "task.trainer.max_steps=4", "task.checkpoint_every_n_steps=2", "task.keep_last_checkpoints=2")
 
 
 @pytest.mark.slow
@@ -115,6 +115,13 @@ def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
         assert chosen[0]["scores"][layer]["token"] == pytest.approx(scores["token"], abs=1e-9), layer
     a, b = _export(ep), _export(ddp)
     assert _losses(ep) == pytest.approx(_losses(ddp), rel=1e-6, abs=1e-6) and len(_losses(ep)) == 4
+    # every logged value (expert load, routing drift, gradient norms, lr, losses) is the DDP run's, under its name
+    rows = [list(csv.DictReader(open(run / "metrics.csv"))) for run in (ep, ddp)]
+    assert len(rows[0]) == len(rows[1]) and rows[0][0].keys() == rows[1][0].keys()
+    assert {"load/gini_mean", "drift/kl_mean", "grad_norm/experts", "lr-AdamW"} <= rows[0][0].keys()
+    for mine, theirs in zip(*rows):
+        for key, value in theirs.items():
+            assert (mine[key] == value == "") or float(mine[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
     ids = torch.arange(12).view(1, 12)
