@@ -116,7 +116,7 @@ def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
     a, b = _export(ep), _export(ddp)
     assert _losses(ep) == pytest.approx(_losses(ddp), rel=1e-6, abs=1e-6) and len(_losses(ep)) == 4
     # every logged value (expert load, routing drift, gradient norms, lr, losses) is the DDP run's, under its name
-    rows = [list(csv.DictReader(open(run / "metrics.csv"))) for run in (ep, ddp)]
+    rows = [list(csv.DictReader((run / "metrics.csv").read_text().splitlines())) for run in (ep, ddp)]
     assert len(rows[0]) == len(rows[1]) and rows[0][0].keys() == rows[1][0].keys()
     assert {"load/gini_mean", "drift/kl_mean", "grad_norm/experts", "lr-AdamW"} <= rows[0][0].keys()
     for mine, theirs in zip(*rows):
