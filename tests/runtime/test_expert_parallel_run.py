@@ -8,6 +8,7 @@ in the plan and the run."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 from pathlib import Path
@@ -103,8 +104,6 @@ ESFT = ("debug=fast", "model=tiny_qwen3_moe", "callbacks.expert_load.log_every_n
 
 @pytest.mark.slow
 def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
-    import json
-
     ep, ddp, resumed = (tmp_path / n for n in ("ep", "ddp", "resumed"))
     proc = run_py(*ESFT, "hardware=ddp_cpu_ep", f"hydra.run.dir={ep}", cwd=tmp_path)
     assert "only expert tensors train, so DDP does not wrap the model" in proc.stdout + proc.stderr
@@ -137,6 +136,26 @@ def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
                   cwd=tmp_path, check=False)
     assert proc.returncode != 0 and "holds optimizer state for packed expert tensors" in proc.stderr
     assert "hardware.ep_size (> 1 or 1) that wrote it" in proc.stderr
+
+
+@pytest.mark.slow
+def test_every_other_method_runs_under_ep_with_lora_on_every_target(tmp_path):
+    """One grid, each point a 2-process EP run of run.py with LoRA on experts, attention and the rest: the methods
+    the two tests above do not run (the EP arithmetic of each against the single process:
+    tests/runtime/test_expert_parallel.py)."""
+    methods = ["sft", "sft_aux_free", "frozen_router", "densemixer", "compressed_experts"]
+    sweep = tmp_path / "sweep"
+    run_py("-m", "debug=fast", "model=tiny_qwen3_moe", "hardware=ddp_cpu_ep", "task.trainer.max_steps=2",
+           f"method={','.join(methods)}", "method.lora={rank:4,alpha:8}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    runs = sorted((p for p in sweep.iterdir() if (p / "summary.json").exists()), key=lambda p: int(p.name[0]))
+    assert [r.name.split("tiny_qwen3_moe_")[1] for r in runs] == methods
+    for run in runs:
+        log = (run / "run.log").read_text()
+        assert "4 of 8 experts on EP rank 0 of 2" in log and "moments sharded over 2 ranks" in log, run.name
+        assert json.loads((run / "summary.json").read_text())["global_step"] == 2, run.name
+        adapters = safetensors.torch.load_file(run / "export" / "adapter" / "adapter_model.safetensors")
+        experts = [v for k, v in adapters.items() if "experts" in k and "lora_A" in k]  # PEFT: [E x rank, in]
+        assert experts and all(v.shape[0] == 8 * 4 for v in experts), run.name  # every expert's adapter, gathered
 
 
 class _Module:
