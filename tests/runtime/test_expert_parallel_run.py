@@ -131,11 +131,20 @@ def test_esft_under_ep_selects_and_trains_as_ddp_and_resumes_bitwise(tmp_path):
     run_py(*ESFT, "hardware=ddp_cpu_ep", f"task.ckpt_path={middle}", f"hydra.run.dir={resumed}", cwd=tmp_path)
     c = _export(resumed)
     assert all(torch.equal(a[k], c[k]) for k in a), "ESFT EP resume is not bitwise"
-    # EP keeps whole local expert tensors in the optimizer, DDP only the trained slices: refused by name
-    proc = run_py(*ESFT, "hardware=ddp_cpu", f"task.ckpt_path={middle}", f"hydra.run.dir={tmp_path / 'as_ddp'}",
-                  cwd=tmp_path, check=False)
-    assert proc.returncode != 0 and "holds optimizer state for packed expert tensors" in proc.stderr
-    assert "hardware.ep_size (> 1 or 1) that wrote it" in proc.stderr
+    assert torch.load(middle, weights_only=True)["moe_lab_esft"]["optimizer_layout"] == "packed"  # whole local tensors
+
+
+def test_an_esft_checkpoint_of_ep_does_not_resume_under_ep_1():
+    """EP keeps whole local expert tensors in ESFT's optimizer (layout ``packed``), EP 1 only the trained slices: a
+    checkpoint of one does not resume under the other, refused by name at configure_optimizers."""
+    from moe_lab.methods.esft_module import ESFTLightningModule
+    from tests.conftest import build_tiny
+
+    module = ESFTLightningModule(build_tiny("qwen3_moe"), options={"experts": {1: [0, 5]}})
+    module._resumed_optimizer_layout = "packed"
+    with pytest.raises(ValueError, match=r"holds optimizer state for packed expert tensors, but this run steps sliced "
+                                         r"ones .*hardware.ep_size \(> 1 or 1\) that wrote it"):
+        module.configure_optimizers()
 
 
 @pytest.mark.slow
