@@ -8,10 +8,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from .core.plain import to_plain
+from .core.precision import keep_hf_fp32
 from .moe.experts_backend import set_experts_implementation
 from .moe.registry import family_spec, supported_families
-from .plain import to_plain
-from .runtime.precision import keep_hf_fp32
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +94,7 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
                 f"cannot load model {pretrained!r} ({err.__class__.__name__}); without hub access, download it "
                 f"elsewhere and set model.pretrained=/local/path/to/{str(pretrained).split('/')[-1]}"
             ) from None
-        from .compress.export_check import check_export
+        from .core.export_check import check_export
 
         check_export(pretrained, "model.pretrained")
         overrides = _as_dict(cfg.get("config"))

@@ -80,7 +80,7 @@ def record_failure(job_dir: str | Path, config, error: BaseException) -> Path:
     """``<job dir>/failed.json``: the failed job's model, method and error, for its row of the sweep table."""
     from omegaconf import OmegaConf
 
-    from .runtime.atomic import atomic_write_json
+    from .core.atomic import atomic_write_json
 
     chain = error_chain(error)
     return atomic_write_json(Path(job_dir) / FAILED, {

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from moe_lab.compress import calibrate
 from moe_lab.compress.calibration import Calibration
+from moe_lab.core.atomic import atomic_write_json
 from moe_lab.data.sources import read_rows, stream_rows
-from moe_lab.runtime.atomic import atomic_write_json
 from moe_lab.runtime.checkpoint_io import AtomicCheckpointIO
 from moe_lab.sweep_summary import record_failure
 from tests.conftest import build_tiny, random_batch

@@ -32,9 +32,9 @@ from moe_lab.compress import calibrate, condense, export_condensed, load_condens
 from moe_lab.compress.condense import CONDENSE_FILE, to_vanilla
 from moe_lab.compress.dense import export_compressed, to_dense
 from moe_lab.compress.prune import prune_experts
+from moe_lab.core.precision import apply_master_weights, export_in_load_dtype
 from moe_lab.methods.condense_sft import CondenseSFTModule
 from moe_lab.models import load_model
-from moe_lab.runtime.precision import apply_master_weights, export_in_load_dtype
 from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg, word_text
 
 BF16 = torch.bfloat16

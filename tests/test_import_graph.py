@@ -1,6 +1,7 @@
 """moe_lab's import graph, read from its own sources (every ``import`` / ``from ... import`` of every module,
-those inside functions included): it has no cycles, and no task module imports another task module (tasks/
-holds only what run.py dispatches, each task composed of library calls)."""
+those inside functions included): it has no cycles, the ground floor (moe_lab.core) imports nothing above it, and
+no task module imports another task module (tasks/ holds only what run.py dispatches, each task composed of library
+calls)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,19 @@ def test_moe_lab_has_no_import_cycles(graph):
     assert len(graph) > 100  # the whole package was read
     found = cycles(graph)
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_ground_floor_imports_nothing_above_it(graph):
+    """moe_lab.core (atomic writes, precision, plain config values, export manifests) is the ground floor: it imports
+    no other part of moe_lab, which every other floor may import; the MoE layer (moe_lab.moe) reaches no run
+    machinery (moe_lab.runtime) for its writes."""
+    core = {m for m in graph if m.startswith("moe_lab.core")}
+    assert {"moe_lab.core.atomic", "moe_lab.core.precision", "moe_lab.core.plain", "moe_lab.core.export_check"} <= core
+    above = {m: sorted(e for e in graph[m] if not e.startswith("moe_lab.core")) for m in sorted(core)}
+    assert not {m: e for m, e in above.items() if e}, "the ground floor imports upward"
+    moe_to_runtime = {(m, e) for m in graph if m.startswith("moe_lab.moe") for e in graph[m]
+                      if e.startswith("moe_lab.runtime")}
+    assert not moe_to_runtime
 
 
 def test_no_task_imports_another_task(graph):

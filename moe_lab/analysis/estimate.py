@@ -232,8 +232,8 @@ def _given(arch: dict, path: str) -> bool:
 def architecture_config(model_cfg):
     """The HF config of a ``conf/model`` entry without weights: ``model.architecture`` (real models: the public
     config.json typed in), else ``config_class`` + ``config`` (tiny models), else the checkpoint's config.json."""
+    from ..core.plain import to_plain
     from ..models import build_config
-    from ..plain import to_plain
 
     cfg = dict(to_plain(model_cfg))
     arch = dict(cfg.get("architecture") or {})

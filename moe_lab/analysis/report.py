@@ -8,7 +8,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..runtime.atomic import atomic_write
+from ..core.atomic import atomic_write
 
 
 def write_csv(rows: list[dict], path) -> Path:

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..runtime.atomic import atomic_write_text
+from ..core.atomic import atomic_write_text
 from ._dense import without_moe_layers
 from ._windows import CountWindow
 

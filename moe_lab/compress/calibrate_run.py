@@ -11,8 +11,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from ..core.atomic import atomic_write_json
 from ..models import load_model
-from ..runtime.atomic import atomic_write_json
 from .calibration import calibrate
 
 log = logging.getLogger(__name__)

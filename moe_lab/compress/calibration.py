@@ -55,12 +55,12 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+from ..core.atomic import atomic_write
 from ..moe import routing
 from ..moe.experts import expert_forward, expert_intermediate_size
 from ..moe.routing import router_logits, select_topk
 from ..moe.stats import TokenContext
 from ..moe.view import MoELayerView, find_moe_layers
-from ..runtime.atomic import atomic_write
 
 FORMAT_VERSION = 1
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.export_check import CONDENSE_FILE
+from ..core.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from ..moe.support import refuse_undefined
 from ..moe.view import MoELayerView, find_moe_layers
-from ..runtime.precision import config_in_load_dtype, in_load_dtype, load_dtype
 from .calibration import Calibration
 
 JS_EPS = 1e-10
 TARGETS = ("hidden_softmax", "vocab")
 FALLBACKS = ("exclude", "layer_mean", "const")
 CODE_FALLBACK_GATE = 0.06  # [CD-code]'s gate for never-selected experts
-CONDENSE_FILE = "condense_manifest.json"
 
 
 # fixed gates (spec 3.2) ---------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ..core.atomic import atomic_write_json
+from ..core.plain import to_plain
 from ..models import load_model
 from ..moe.view import find_moe_layers
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
 from ..runtime.stop_signal import StopOnSignal
 from .calibrate_run import calibration_sequences
 from .calibration import Calibration

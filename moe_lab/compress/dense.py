@@ -32,13 +32,14 @@ import torch
 import transformers
 from torch import nn
 
+from ..core.export_check import MANIFEST_FILE
+from ..core.precision import config_in_load_dtype, in_load_dtype, keep_hf_fp32, load_dtype
 from ..moe.experts import expert_intermediate_size
 from ..moe.patch import atomic_export
 from ..moe.registry import update_config_dict
 from ..moe.routing import select_topk
 from ..moe.support import undefined_reason
 from ..moe.view import MoELayerView, dense_layer_indices, find_moe_layers
-from ..runtime.precision import config_in_load_dtype, in_load_dtype, keep_hf_fp32, load_dtype
 from .calibration import Calibration
 from .grouping import GROUPINGS, clustering_distance, group_experts, rank
 from .merge import SCALINGS, check_scaling, merge_coefficients, merge_group, scaling_coefficients
@@ -47,7 +48,6 @@ from .scores import scores as expert_scores
 
 # the HF gated-MLP naming conventions (gate, up, down) of the dense targets' MLPs: Llama-style, LFM2-style
 MLP_PROJS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-MANIFEST_FILE = "compress_manifest.json"
 log = logging.getLogger(__name__)
 
 

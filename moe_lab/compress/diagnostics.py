@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..runtime.atomic import atomic_write
+from ..core.atomic import atomic_write
 from .calibration import Calibration
 from .dopt import effective_rank
 from .scores import DOPT_METHODS, dopt_kernel, select_experts

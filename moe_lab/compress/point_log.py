@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..plain import flatten
-from ..runtime.atomic import atomic_write_json, atomic_write_text
+from ..core.atomic import atomic_write_json, atomic_write_text
+from ..core.plain import flatten
 
 
 class PointLog:

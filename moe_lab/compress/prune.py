@@ -20,10 +20,10 @@ import torch
 import transformers
 from torch import nn
 
+from ..core.precision import load_dtype
 from ..models import validate_config
 from ..moe.registry import family_spec, routing_size_paths, update_config_dict
 from ..moe.view import MoELayerView, find_moe_layers
-from ..runtime.precision import load_dtype
 from .calibration import Calibration
 from .dense import build_uninitialised, canonical
 from .grouping import rank

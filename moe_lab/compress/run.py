@@ -12,12 +12,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..core.atomic import atomic_write_json
+from ..core.plain import to_plain
 from ..data.collate import encode_prompt
 from ..eval.eval_sets import load_eval_set
 from ..models import load_model
 from ..moe.view import find_moe_layers
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
 from ..runtime.stop_signal import StopOnSignal
 from .calibration import Calibration
 from .dense import export_compressed, to_dense

@@ -20,9 +20,9 @@ from pathlib import Path
 import pandas as pd
 from torch import nn
 
+from ..core.atomic import atomic_write, atomic_write_text
 from ..eval.perplexity import perplexity
 from ..moe.view import find_moe_layers
-from ..runtime.atomic import atomic_write, atomic_write_text
 from .calibration import Calibration
 from .dense import DenseBuilder, check_choice, check_K, plan
 from .grouping import GROUPINGS

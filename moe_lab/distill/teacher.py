@@ -60,8 +60,8 @@ def teacher_spec(teacher: str | Path) -> dict:
 def load_teacher(teacher) -> nn.Module:
     """A frozen teacher in eval mode: a loaded module, a ``conf/model`` entry (a dict, or its name) or a checkpoint
     path. An MoE of moe-lab's families or a dense causal LM (dense -> dense KD): loaded as for ``method=kd``."""
+    from ..core.plain import to_plain
     from ..models import load_model
-    from ..plain import to_plain
 
     if isinstance(teacher, nn.Module):
         model = teacher

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write
+from ..core.atomic import atomic_write
+from ..core.plain import to_plain
 from .losses import _mask, token_divergence
 
 log = logging.getLogger(__name__)

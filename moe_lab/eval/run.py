@@ -23,12 +23,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ..compress.export_check import check_export
+from ..core.atomic import atomic_write_json
+from ..core.export_check import check_export
+from ..core.plain import flatten, to_plain
 from ..data.prompts import build_prompt
 from ..methods.registry import install_exported_routing
 from ..models import load_model
-from ..plain import flatten, to_plain
-from ..runtime.atomic import atomic_write_json
 from .choices import choice_item, get_format
 from .eval_sets import (
     GROUPS,

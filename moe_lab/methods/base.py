@@ -11,12 +11,12 @@ import lightning as L
 import torch
 from torchmetrics.aggregation import MeanMetric
 
+from ..core.plain import to_plain as _plain
+from ..core.precision import apply_master_weights, check_mode
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import AUX_LOSS_SCOPES, added_aux_loss, native_aux_loss_coef, switch_balance_loss
-from ..plain import to_plain as _plain
 from ..runtime.ep_optimizer import DenseShardedAdamW
 from ..runtime.optimizer_masters import FP32MasterCopies, masters_of, refuse_optimizer_masters
-from ..runtime.precision import apply_master_weights, check_mode
 from ..runtime.refusals import check_fsdp_clipping, check_schedule_length
 from ..runtime.strategies import optimizer_stepped, strategy_kind, trains_expert_slices
 from .registry import apply
@@ -48,7 +48,7 @@ class MoELightningModule(L.LightningModule):
     number, or ``"native"`` = the family's own coefficient (:func:`~moe_lab.moe.aux_loss.native_aux_loss_coef`);
     it is mapped onto the family's aux-loss field when HF adds the loss itself, otherwise the registry's loss
     (DeepSeek: the sequence-wise balance loss) is added here, once. ``master_weights``: see
-    :mod:`moe_lab.runtime.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
+    :mod:`moe_lab.core.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..compress.condense import CONDENSE_FILE, CondensedLayer, load_condensed, write_condensed
-from ..runtime.precision import load_dtype
+from ..core.precision import load_dtype
 from .base import MoELightningModule
 
 

@@ -60,12 +60,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..core.atomic import atomic_write_json
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
 from ..moe.stats import in_backward_pass
 from ..moe.support import refuse_undefined
-from ..runtime.atomic import atomic_write_json
 from .registry import apply, register_export_loader, register_method
 
 log = logging.getLogger(__name__)

@@ -21,13 +21,13 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from ..core.plain import to_plain as _plain
+from ..core.precision import check_mode
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
 from ..distill.teacher import load_teacher, weight_rule_name, widen_teacher
 from ..moe.patch import MoEPatch, atomic_export
 from ..moe.stats import TokenContext
-from ..plain import to_plain as _plain
-from ..runtime.precision import check_mode
 from ..runtime.refusals import EXPORT_ONLY
 from .base import MoELightningModule
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..plain import to_plain
+from ..core.plain import to_plain
 from .base import MoELightningModule
 from .esft import (
     AVERAGES,

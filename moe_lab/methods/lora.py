@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..core.precision import export_in_load_dtype
 from ..moe.block import SliceGradMask
 from ..moe.layout import expert_mask
 from ..moe.patch import MoEPatch
-from ..runtime.precision import export_in_load_dtype
 from .registry import register_adapter
 
 TARGETS = ("experts", "shared_experts", "attention", "dense_mlp")
@@ -180,7 +180,7 @@ def _packed_merge(module: nn.Module, name: str) -> torch.Tensor:
 def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
     """The HF model's state dict with every adapter merged into its base weight (vanilla key names). Merged
     tensors are fp32 (``W + scale * B @ A`` from fp32 copies); the export casts them once to the load dtype
-    (:func:`~moe_lab.runtime.precision.export_in_load_dtype`)."""
+    (:func:`~moe_lab.core.precision.export_in_load_dtype`)."""
     merged = {}
     for key, value in patch.model.state_dict().items():
         if ".lora." in key or "lora_A" in key or "lora_B" in key:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime.precision import in_load_dtype
+from ..core.precision import in_load_dtype
 from .lora import ADAPTER_EXPORTS, LinearLoRA, PackedLoRA
 
 ADAPTER_DIR = "adapter"

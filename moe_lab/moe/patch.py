@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime.atomic import explain_write_failure, publish_tree
+from ..core.atomic import explain_write_failure, publish_tree
 from .block import ConventionalRouting, MoEBlock, routed_router_class
 from .hf_init import install_hf_init, remove_hf_init
 from .layout import leading_mask

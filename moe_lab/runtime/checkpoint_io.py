@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..callbacks.after_validation import AfterValidation
-from .atomic import explain_write_failure, umask_mode
+from ..core.atomic import explain_write_failure, umask_mode
 from .marker_recovery import ADOPT_FIELD, adopt_pending, drop_pending, reverify, write_pending
 from .markers import MARKER, complete_beside, marker_path, sha256_file
 
@@ -434,8 +434,8 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from hydra.utils import get_class, instantiate
 
+    from ..core.precision import export_in_load_dtype
     from ..models import load_model
-    from .precision import export_in_load_dtype
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "latest").is_file():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_write_json
+from ..core.atomic import atomic_write_json
 from .markers import complete_beside, marker_path, sha256_file
 
 log = logging.getLogger(__name__)

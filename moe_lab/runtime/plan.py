@@ -20,8 +20,8 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.atomic import atomic_write_json
 from ..methods.schedules import lr_multiplier, warmup_steps_for
-from .atomic import atomic_write_json
 from .memory_fit import ASSUMED_GPU_GB, device_memory_gb, fitting, memory_estimate, node_gpus, world_size
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ rank-zero process and removed when it ends. A second run is refused naming the f
 a process that is gone (kill -9) is taken over with one line when it is provably stale: the same host and that PID
 no longer running, or the same SLURM job (a requeued job on another node). A lock of a live process, or of another
 host, is never taken over: the message names the file to delete once that process is known to be gone. Taking
-the lock removes the temporaries a killed run left in the directory (:func:`moe_lab.runtime.atomic.remove_stale_temporaries`);
+the lock removes the temporaries a killed run left in the directory (:func:`moe_lab.core.atomic.remove_stale_temporaries`);
 taking it again in the process that holds it (a task running finetune in its own directory) is a no-op.
 """
 
@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from .atomic import remove_stale_temporaries
+from ..core.atomic import remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
+from ..core.atomic import atomic_write_json
+from ..core.precision import export_in_load_dtype
 from ..models import load_model
 from . import slurm
-from .atomic import atomic_write_json
 from .checkpoint_io import (
     CheckpointOnSignal,
     check_matches,
@@ -29,7 +30,6 @@ from .checkpoint_io import (
     read_checkpoint,
 )
 from .expert_parallel import ep_dense, ep_size
-from .precision import export_in_load_dtype
 from .refusals import refuse_before_first_step
 from .resume import (
     History,

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.activation import count_selections, distribution_figure, heatmap_figure, layer_stats
 from ..analysis.report import log_images, markdown_table, write_csv
 from ..analysis.run_method import computes_every_expert, trained_method
+from ..core.atomic import atomic_write_json, atomic_write_text
 from ..methods.registry import EXPORT_LOADERS
-from ..runtime.atomic import atomic_write_json, atomic_write_text
 
 PLAIN = "family top-k"
 

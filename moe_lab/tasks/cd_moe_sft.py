@@ -20,9 +20,9 @@ from omegaconf import DictConfig
 
 from ..compress.calibrate_run import calibrate_task
 from ..compress.condense_run import condense_task
+from ..core.atomic import atomic_write_json
+from ..core.plain import to_plain
 from ..eval.lm_eval_table import results_table, task_source
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
 from ..runtime.stage import stage_config
 from ..runtime.training import finetune
 

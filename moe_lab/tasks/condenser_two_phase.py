@@ -30,8 +30,8 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ..core.atomic import atomic_write_json, atomic_write_text
 from ..methods.condenser import STATE_FILE
-from ..runtime.atomic import atomic_write_json, atomic_write_text
 from ..runtime.training import finetune
 
 INITS = ("original", "phase1")

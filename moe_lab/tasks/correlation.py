@@ -13,8 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..analysis.correlation import check_same_architecture, deltas, down_correlations, signature, summarise
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
+from ..core.atomic import atomic_write_json, atomic_write_text
 from ..models import load_model
-from ..runtime.atomic import atomic_write_json, atomic_write_text
 
 COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
 

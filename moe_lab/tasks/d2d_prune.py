@@ -15,9 +15,9 @@ from ..compress.dense import export_compressed
 from ..compress.diagnostics import write_table
 from ..compress.run import student_ppl
 from ..compress.sweep import format_ppl
+from ..core.atomic import atomic_write_json, atomic_write_text
+from ..core.plain import to_plain
 from ..models import load_model
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json, atomic_write_text
 
 
 def _targets(t) -> dict[str, D2DTarget]:

@@ -23,7 +23,7 @@ from ..compress.diagnostics import (
     selection_overlap,
     write_table,
 )
-from ..runtime.atomic import atomic_write_json
+from ..core.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 

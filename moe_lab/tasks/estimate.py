@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..analysis.estimate import Options, architecture_config, estimate
 from ..analysis.estimate_report import figure, write_tables
 from ..analysis.report import log_images
+from ..core.atomic import atomic_write_json
 from ..models import DTYPES
-from ..runtime.atomic import atomic_write_json
 
 
 def estimate_task(cfg: DictConfig) -> dict:

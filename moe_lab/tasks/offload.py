@@ -15,7 +15,7 @@ from ..analysis.offload import all_experts, fetches, needed
 from ..analysis.report import log_images, markdown_table, save_figure, write_csv
 from ..analysis.run_method import computes_every_expert, trained_method
 from ..callbacks.routing_log import model_signature, read_routing_log
-from ..runtime.atomic import atomic_write_json, atomic_write_text
+from ..core.atomic import atomic_write_json, atomic_write_text
 
 PACKED_NOTE = ("transformers v5 packs each layer's experts into one tensor: ZeRO-3 (a leaf module) gathers the whole "
                "packed tensor on every pass, so the routing-dependent saving of the expert rows is NOT realised by the installed "

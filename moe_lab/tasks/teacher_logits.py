@@ -24,11 +24,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from ..core.atomic import atomic_write_json
+from ..core.plain import to_plain
 from ..data.tokenizer import load_tokenizer
 from ..distill.teacher import load_teacher
 from ..distill.teacher_logits import record_run, save_run
-from ..plain import to_plain
-from ..runtime.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from safetensors import safe_open
 from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader
 
+from moe_lab.core.precision import export_in_load_dtype
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.methods.lora import LinearLoRA
 from moe_lab.models import load_model
-from moe_lab.runtime.precision import export_in_load_dtype
 from tests.conftest import hf_fp32_names, random_batch, tiny_model_cfg
 
 

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 import moe_lab
+from moe_lab.core.precision import keep_hf_fp32
 from moe_lab.moe.block import MoEBlock
-from moe_lab.runtime.precision import keep_hf_fp32
 from tests.conftest import ADDED_FAMILIES, ALL_FAMILIES, FAMILIES, build_tiny, hf_route, random_batch, rehomed
 
 # HF's own DeepseekV3ModelTester: top_k=8 > the 4 experts reachable in topk_group=1 of n_group=2 groups

@@ -155,7 +155,7 @@ def test_checkpoints_and_markers_follow_the_umask(tmp_path):
 def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_path, caplog):
     """Checkpoint and marker temporaries, an export's temporary folder, at any depth; not files that merely end in
     .tmp, nor the folder of another run (its lock file inside)."""
-    from moe_lab.runtime.atomic import remove_stale_temporaries
+    from moe_lab.core.atomic import remove_stale_temporaries
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / ".last.ckpt.k2j3.tmp").write_bytes(b"half")
@@ -167,7 +167,7 @@ def test_stale_temporaries_of_a_killed_write_are_removed_at_the_next_start(tmp_p
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / ".lock").write_text("{}")
     (tmp_path / "other" / ".summary.json.x.tmp").write_text("{")
-    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.atomic"):
+    with caplog.at_level(logging.INFO, logger="moe_lab.core.atomic"):
         remove_stale_temporaries(tmp_path, other_runs=".lock")
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
         ".export.old", "checkpoints", "keep.tmp", "other", "other/.lock", "other/.summary.json.x.tmp"]

@@ -67,7 +67,7 @@ def test_bf16_weights_step_fp32_masters_exactly_like_the_oracle(caplog, one_thre
     base = _bf16_model()
     expected, expected_masters = _oracle(base)
     model = copy.deepcopy(base)
-    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.precision"):
+    with caplog.at_level(logging.INFO, logger="moe_lab.core.precision"):
         module = _fit(model)
     assert any("stay bfloat16 for compute; the optimizer steps fp32 copies" in r.getMessage() for r in caplog.records)
     got = dict(model.named_parameters())

@@ -13,9 +13,9 @@ import transformers
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from moe_lab.core.precision import in_load_dtype, keep_hf_fp32, plan_master_weights
 from moe_lab.methods.base import MoELightningModule
 from moe_lab.models import load_model
-from moe_lab.runtime.precision import in_load_dtype, keep_hf_fp32, plan_master_weights
 from tests.conftest import ROOT, build_tiny, hf_fp32_names, random_batch, tiny_model_cfg
 
 LR = 2e-5
@@ -70,7 +70,7 @@ def test_bf16_model_trains_with_fp32_master_weights_like_the_oracle(caplog):
     before = {n: p.detach().clone() for n, p in base.named_parameters()}
     expected, grads = _oracle_step(base)
     model = copy.deepcopy(base)
-    with caplog.at_level(logging.INFO, logger="moe_lab.runtime.precision"):
+    with caplog.at_level(logging.INFO, logger="moe_lab.core.precision"):
         _fit_one_step(model)
     assert any("master weights: upcast" in r.getMessage() and "bfloat16 to float32" in r.getMessage()
                for r in caplog.records)

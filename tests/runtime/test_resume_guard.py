@@ -178,7 +178,7 @@ def test_every_task_removes_the_temporaries_a_killed_run_left(tmp_path, caplog):
     stale.write_bytes(b"half a record")
     with _held_by_a_live_process(out / "live"):
         (out / "live" / ".summary.json.a1b2.tmp").write_text("{")
-        with caplog.at_level(logging.INFO, logger="moe_lab.runtime.atomic"):
+        with caplog.at_level(logging.INFO, logger="moe_lab.core.atomic"):
             summary = run_task(_teacher_logits_cfg(tmp_path, out))
     assert not stale.exists() and (out / "live" / ".summary.json.a1b2.tmp").exists()
     [line] = [r.getMessage() for r in caplog.records if "partial files" in r.getMessage()]

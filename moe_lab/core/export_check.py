@@ -10,8 +10,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .condense import CONDENSE_FILE
-from .dense import MANIFEST_FILE
+#: the manifest a compression export carries (moe_lab.compress.dense), and a condensed model's (moe_lab.compress.condense)
+MANIFEST_FILE = "compress_manifest.json"
+CONDENSE_FILE = "condense_manifest.json"
 
 #: tasks whose ``<run>/export`` always carries a manifest (task=moe_to_dense's stages hold theirs: its
 #: ``distill/export``, a trained student, has none)

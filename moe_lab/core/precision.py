@@ -10,7 +10,7 @@ the strategy wraps the model:
   half-precision parameter is upcast, frozen ones too (fp32 activations cannot meet bf16 weights). Under
   DeepSpeed nothing changes: its optimizer keeps fp32 master copies itself.
 - ``optimizer``: trainable bf16 parameters stay bf16 for compute, the optimizer steps fp32 master copies
-  (:mod:`.optimizer_masters`; bf16-mixed only, refused where it cannot run). Faster where autocast's per-step
+  (:mod:`moe_lab.runtime.optimizer_masters`; bf16-mixed only, refused where it cannot run). Faster where autocast's per-step
   casts of fp32 weights cost (a GPU); gradients accumulate over micro-batches in bf16.
 - ``check``: change nothing; refuse to train half-precision parameters with a plain optimizer.
 - ``off``: train parameters in their own dtype, knowingly.

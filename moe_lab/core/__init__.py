@@ -1,0 +1,7 @@
+"""The ground floor: leaf helpers every other part of moe_lab may use, which import nothing else of moe_lab.
+
+- :mod:`.atomic`: atomic writes of files and directories (nothing half-written is ever read);
+- :mod:`.precision`: master weights and the export dtype (``method.master_weights``);
+- :mod:`.plain`: OmegaConf containers to plain Python values;
+- :mod:`.export_check`: the manifest names of compression exports, and the refusal of an export cut short.
+"""
