@@ -25,7 +25,7 @@ INSTALLER_OPTIONS = ("moe_lab.methods.base.MoELightningModule", "moe_lab.methods
                      "moe_lab.methods.condenser_module.CondenserModule")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method(name: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=[f"method={name}"]).method
