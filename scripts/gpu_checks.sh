@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks a session runs when it is lent a CUDA machine (docs/scale-out.md, "What was tested where"): the
 # `gpu`-marked tests (DeepSpeed ZeRO-2/3 and FSDP real runs, fp16 AMP), every family under a real ZeRO-3 engine
-# (tests/runtime/test_z3_families.py), the bf16 MFU benchmark, and the methods under
+# (tests/runtime/test_z3_families.py), the bf16 MFU benchmark, the EP code path on one GPU, and the methods under
 # DeepSpeed on a tiny model. Wheels of missing packages may be carried in .whl/ (installed into /tmp/site).
 # Output goes to $OUT (or ./gpu_checks_out) as log files.
 set -uo pipefail
@@ -24,6 +24,8 @@ TAIL=25 step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cachepro
 TAIL=12 step z3_families "${Z3_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --durations=3 tests/runtime/test_z3_families.py
 TAIL=12 step mfu "${MFU_LIMIT:-150}" python3 bench/mfu.py --layers 4 --batch 8 --seq 2048 --steps 8 --warmup 2 \
     ${MFU_METHODS:+--methods $MFU_METHODS}
+# issue 29's GPU item: the EP code path at EP size 1 (AllToAllEP + the ZeRO-1 composite) against the plain step
+TAIL=4 step ep_one_gpu "${EP_LIMIT:-120}" python3 bench/expert_parallel.py --steps 10 --batch 8 --seq 2048
 if [ -n "${MFU16:-}" ]; then  # issue 28's sweep: 16 layers, seq 2048 and 8192, every method (a longer step)
     TAIL=20 step mfu16 "${MFU16_LIMIT:-300}" python3 bench/mfu.py --layers 16 --batch 1 --seq 2048,8192 --steps 4 \
         --warmup 1 ${MFU_METHODS:+--methods $MFU_METHODS}

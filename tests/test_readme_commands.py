@@ -201,7 +201,7 @@ NOT_RUNNABLE = {
     "eval.generation.top_p=0.95 task.checkpoint=...": "`...` elides the exports (the s1 fine-tune above runs)",
 }
 for _bench in ("kd", "compress", "condense", "sft_step", "methods", "generation", "flops", "lora_experts",
-               "master_weights"):
+               "master_weights", "expert_parallel"):
     NOT_RUNNABLE[f"python bench/{_bench}.py"] = "a benchmark: timing runs of minutes on purpose (bench/, not tests)"
 for _weights in ("<OLMoE-1B-7B-0924>", "..."):
     _latency = f"python bench/compressed_experts_latency.py --model olmoe --out <dir> -- model.pretrained={_weights}"

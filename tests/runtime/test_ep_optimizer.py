@@ -95,3 +95,18 @@ def test_dense_sharded_adamw_equals_plain_adamw_and_its_state_dict(tmp_path):
     assert experts and all(s["exp_avg"].shape[0] == 8 for s in experts)  # whole: both ranks' experts
     _assert_same(result["got"], expected, "consolidated")
     _assert_same(result["reloaded"], expected, "reloaded")
+
+
+def test_bench_flow_on_one_rank(monkeypatch, capsys):
+    """bench/expert_parallel.py end to end at a short length (its step ratio is for docs/results.md, not asserted):
+    the EP path at EP size 1 with the ZeRO-1 composite gives the plain step's first loss (same weights; the dispatch
+    may sum an expert's slots in another order: float32 rounding of a loss of ~8, observed 0)."""
+    import runpy
+
+    from tests.conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = runpy.run_path(str(ROOT / "bench" / "expert_parallel.py"))
+    result = bench["main"](["--steps", "1", "--batch", "1", "--seq", "16", "--threads", "1"])
+    assert "step_ratio=" in capsys.readouterr().out and result["step_ratio"] > 0
+    assert result["first_loss_diff"] <= 1e-5
