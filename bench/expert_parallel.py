@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import socket
 import statistics
 import time
@@ -31,11 +30,13 @@ from moe_lab.runtime.ep_optimizer import DenseShardedAdamW
 
 
 def _one_rank(device: str) -> None:
+    """A one-rank process group on a free port (given to the store directly: no MASTER_* variable is left behind
+    for later process groups of the same process, e.g. a test run's DDP)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
+                                         init_method=f"tcp://127.0.0.1:{port}")
 
 
 def build(base, device: str, ep: bool):

@@ -107,6 +107,9 @@ def test_bench_flow_on_one_rank(monkeypatch, capsys):
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     bench = runpy.run_path(str(ROOT / "bench" / "expert_parallel.py"))
+    environment = dict(os.environ)
     result = bench["main"](["--steps", "1", "--batch", "1", "--seq", "16", "--threads", "1"])
+    assert dict(os.environ) == environment  # no MASTER_PORT left for the worker's later DDP runs
+    assert not torch.distributed.is_initialized()
     assert "step_ratio=" in capsys.readouterr().out and result["step_ratio"] > 0
     assert result["first_loss_diff"] <= 1e-5
