@@ -232,13 +232,6 @@ class MoEPatch:
         )
 
 
-def switch_aux_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss over recorded router logits (HF's formula)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    return load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)
-
-
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
