@@ -294,6 +294,13 @@ def _remap_slices(patch, block, old: nn.Parameter, new: nn.Parameter, rows_of) -
     guard. Install localises them to a rank's experts; uninstall makes them whole again."""
     from ..moe.block import SliceGradMask
 
+    mapped: dict[int, torch.Tensor] = {}  # one mask is shared by the three holders: mapped (gathered) once
+
+    def rows_of(rows, _map=rows_of):
+        if id(rows) not in mapped:
+            mapped[id(rows)] = _map(rows)
+        return mapped[id(rows)]
+
     for key, (param, rows) in list(patch.expert_slice_masks.items()):
         if param is old:
             patch.expert_slice_masks[key] = (new, rows_of(rows))
