@@ -15,6 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moe_lab.core.task_table import NO_RESUME, TASK_RESUME, TASKS, tasks_where
+
 log = logging.getLogger("moe_lab.run")
 
 NOISE = {  # logger name -> message fragments dropped from the console and run.log
@@ -111,20 +113,9 @@ def _run_dir_of(resume: str) -> Path:
     return run_dir
 
 
-#: tasks that task.resume=<run dir> continues; how every other kind of run resumes
-RESUMED_BY_TASK_RESUME = ("finetune", "cd_moe_sft")
-HOW_IT_RESUMES = {
-    "calibrate": "run the same command again with hydra.run.dir=<run dir> (it continues "
-                 "<run dir>/calibration.partial.safetensors), or point compress.calibration.resume_from at that file",
-    "compress": "run the same command again with hydra.run.dir=<run dir>: a grid or pruning study skips the points "
-                "already in its points.csv / prune.csv",
-    "evaluate": "run the same command again with hydra.run.dir=<run dir>: the sets continue from the predictions "
-                "already written",
-    "condense": "run the same command again with hydra.run.dir=<run dir>: the search takes the steps already in "
-                "its search_progress.csv",
-    "condenser_two_phase": "task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/"
-                           "checkpoints/last.ckpt",
-}
+#: tasks that task.resume=<run dir> continues; how every other kind of run resumes (the task table's rows)
+RESUMED_BY_TASK_RESUME = tasks_where(resume=TASK_RESUME)
+HOW_IT_RESUMES = {name: task.resume for name, task in TASKS.items() if task.resume != TASK_RESUME}
 
 
 def _task_of(run_dir: Path) -> str | None:
@@ -142,14 +133,10 @@ def _task_of(run_dir: Path) -> str | None:
 
 # Maps a config declares empty (``{}``) for the command line to fill: ``task.checkpoints.base=<export>`` adds a key
 # (Hydra's struct mode would refuse it without a ``+``). Each names the field that selects the config declaring
-# it (value None: any); a map given while that config is not chosen is refused after composition.
-OPEN_MAPS = {
-    "task.checkpoints": ("task.name", "correlation"),
-    "task.runs": ("task.name", "activation_stats"),
-    "task.logs": ("task.name", "offload"),
-    "task.candidates": ("task.name", "d2d_prune"),
-    "eval.lm_eval.tasks": ("eval.name", None),
-}
+# it (value None: any); a map given while that config is not chosen is refused after composition. A task's maps
+# are in its row of the task table.
+OPEN_MAPS = {**{m: ("task.name", name) for name, task in TASKS.items() for m in task.open_maps},
+             "eval.lm_eval.tasks": ("eval.name", None)}
 
 
 def _open_map(override: str) -> str | None:
@@ -203,7 +190,7 @@ def expand_argv(argv: list[str]) -> list[str]:
         kind = _task_of(run_dir)
         if kind is not None and kind not in RESUMED_BY_TASK_RESUME:
             raise ValueError(f"task.resume={resume}: {run_dir} is a task={kind} run, which task.resume does not "
-                             f"continue: {HOW_IT_RESUMES.get(kind, 'it does not resume, run it again')}")
+                             f"continue: {HOW_IT_RESUMES.get(kind, NO_RESUME)}")
         saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
         if not saved.is_file() and (run_dir / "config.yaml").is_file():
             raise ValueError(f"task.resume={resume}: {saved} is missing (a run directory copied without its hidden "
@@ -323,7 +310,7 @@ def _execute(cfg: DictConfig, out: Path) -> dict:
     if not _EXISTING_RUN:
         accept_run()  # a new run directory: written now
     if cfg.get("plan"):
-        from moe_lab.runtime.plan import plan
+        from moe_lab.runs.plan import plan
 
         preflight(cfg, plan=True)
         return plan(cfg)

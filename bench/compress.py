@@ -196,11 +196,11 @@ def bench_sweep(args) -> float:
 
     from omegaconf import OmegaConf
 
-    from moe_lab.compress import Calibration, dense_sweep, to_dense
-    from moe_lab.compress.sweep import PAPER_SCORES, ppl_point
+    from moe_lab.compress import Calibration, to_dense
     from moe_lab.data.collate import encode_prompt
     from moe_lab.models import build_config
     from moe_lab.moe.view import find_moe_layers  # noqa: F401 - same import cost on both sides
+    from moe_lab.runs.compress_sweep import PAPER_SCORES, dense_sweep, ppl_point
 
     root = Path(__file__).resolve().parents[1]
     cfg = OmegaConf.load(root / "conf/model/tiny_qwen3_moe.yaml")

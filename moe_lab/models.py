@@ -30,17 +30,19 @@ def build_config(config_class: str, overrides: Mapping, method: str | None = Non
     check_model_type(config, method, f"model.config_class={config_class}")
     return config
 
+#: Hydra method names (conf/method/<name>.yaml) that train any causal LM, dense or MoE: :func:`load_model` loads a
+#: dense model (a model_type outside moe/registry.py's families, e.g. a to_dense export) only for these
+DENSE_METHODS: tuple[str, ...] = ("kd",)
+
 
 def check_model_type(config, method: str | None = None, source: str = "model") -> None:
     """An MoE family of moe/registry.py is validated (:func:`validate_config`); any other model type is a dense
-    causal LM, accepted only for a method that trains dense models (``methods.registry.DENSE_METHODS``).
+    causal LM, accepted only for a method that trains dense models (:data:`DENSE_METHODS`).
     ``method``: the Hydra method name the model is loaded for (None: MoE families only); ``source``: where the
     config came from, for the error."""
     if config.model_type in supported_families():
         validate_config(config)
         return
-    from .methods.registry import DENSE_METHODS
-
     if method in DENSE_METHODS:
         return
     families = ", ".join(supported_families())

@@ -12,10 +12,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moe_lab.compress import calibrate, condense, export_condensed, load_condensed, sweep
+from moe_lab.compress import calibrate, condense, export_condensed, load_condensed
 from moe_lab.compress.condense import CONDENSE_FILE
 from moe_lab.compress.dense import MANIFEST_FILE
 from moe_lab.models import load_model
+from moe_lab.runs import compress_sweep as sweep
 from moe_lab.tasks import run_task
 from tests.analysis.test_removal_resume import _cfg as removal_cfg
 from tests.conftest import build_tiny, random_batch

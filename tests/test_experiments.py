@@ -399,7 +399,7 @@ def test_bias_only_rows_learn_biases_and_train_weights_from_step_zero(preset, ti
 def test_reported_rows_are_labels_our_presets_produce():
     methods = {p.stem for p in (CONF / "method").glob("*.yaml")}
     produced = methods | {"sft_topk_half"} | {label for _, label, _ in ROWS.values()}
-    from moe_lab.compress.condense_run import METHODS as CONDENSE_METHODS
+    from moe_lab.runs.condense import METHODS as CONDENSE_METHODS
 
     # CD-MoE rows: the unmodified model, and task=condense's methods (cd_moe as its S / SR variants); "base": a
     # model evaluated without a checkpoint (task=evaluate's label)

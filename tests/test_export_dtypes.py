@@ -283,7 +283,7 @@ def _kd_cfg(student, out, *overrides):
 def test_kd_dense_student_export_through_finetune_is_bf16(dense_student, tmp_path):
     """task=finetune, method=kd, a bf16 dense student on hardware=cpu (32-true: every parameter trains as an fp32
     master): the export is bf16 and equals last.ckpt's fp32 weights cast to bf16 by the test."""
-    from moe_lab.runtime.training import finetune
+    from moe_lab.runs.training import finetune
 
     out = tmp_path / "run"
     finetune(_kd_cfg(dense_student, out, "task.trainer.max_steps=1", "task.trainer.limit_val_batches=0",

@@ -444,12 +444,12 @@ def test_an_eval_group_on_a_training_run_is_said_not_run(tmp_path, caplog):
 
     from hydra import compose, initialize_config_dir
 
-    from moe_lab.runtime.training import say_eval_not_run
+    from moe_lab.runs.training import say_eval_not_run
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=["eval=math7", "eval.limit=20"])
         quiet = compose("config")
-    with caplog.at_level(logging.WARNING, logger="moe_lab.runtime.training"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runs.training"):
         say_eval_not_run(quiet, tmp_path)
         assert not caplog.messages
         say_eval_not_run(cfg, tmp_path)

@@ -1,7 +1,7 @@
 """moe_lab's import graph, read from its own sources (every ``import`` / ``from ... import`` of every module,
-those inside functions included): it has no cycles, the ground floor (moe_lab.core) imports nothing above it, and
-no task module imports another task module (tasks/ holds only what run.py dispatches, each task composed of library
-calls)."""
+those inside functions included): it has no cycles, module by module and package by package; every import looks
+down the floors of :data:`FLOORS` (docs/architecture.md draws them); and no task module imports another task
+module (tasks/ holds only what run.py dispatches, each task composed of runs and library calls)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,41 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                           for a in node.names}
         graph[name] = edges - {None, name}
     return graph
+
+
+#: moe_lab's floors, bottom first: each top-level package or module of moe_lab (``moe_lab`` itself: the package's
+#: face) imports only its own floor and the floors before it
+FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("ground floor: leaf helpers and the task table", frozenset({"core"})),
+    ("the MoE layer and data", frozenset({"moe", "data"})),
+    ("models and the family registry", frozenset({"models", "convert", "families"})),
+    ("compression algorithms", frozenset({"compress"})),
+    ("analysis: statistics, estimates, plots", frozenset({"analysis"})),
+    ("run machinery: lock, checkpoints, resume, signals, strategies, trainer", frozenset({"runtime"})),
+    ("distillation losses and teachers", frozenset({"distill"})),
+    ("callbacks", frozenset({"callbacks"})),
+    ("methods: installers and LightningModules", frozenset({"methods"})),
+    ("evaluation", frozenset({"eval"})),
+    ("runs: training, plan, stages and the runs behind task=X", frozenset({"runs", "sweep_summary"})),
+    ("tasks", frozenset({"tasks"})),
+    ("the package's face", frozenset({"moe_lab"})),
+)
+
+
+def top_level(module: str) -> str:
+    """The top-level package or module of moe_lab that ``module`` belongs to (``moe_lab`` for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with each top-level package or module of moe_lab one node (an import of the root
+    package's ``__init__`` by a submodule is no edge: Python runs it first, whatever the code imports)."""
+    packages: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        packages.setdefault(top_level(module), set()).update(
+            top_level(e) for e in edges if top_level(e) != top_level(module) and e != "moe_lab")
+    return packages
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -110,6 +145,30 @@ def test_moe_lab_has_no_import_cycles(graph):
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def test_the_packages_form_no_cycle(graph):
+    packages = package_graph(graph)
+    assert {"core", "moe", "methods", "runs", "runtime", "tasks"} <= set(packages)
+    assert not cycles(packages), "package-level import cycles: " + "; ".join(" <-> ".join(c) for c in cycles(packages))
+
+
+def test_every_import_looks_down_the_floors(graph):
+    floor = {package: i for i, (_, members) in enumerate(FLOORS) for package in members}
+    packages = package_graph(graph)
+    assert set(packages) == set(floor), "every top-level package or module of moe_lab has a floor in FLOORS"
+    upward = sorted((m, e) for m, edges in graph.items() for e in edges
+                    if e != "moe_lab" and floor[top_level(e)] > floor[top_level(m)])
+    assert not upward, "imports that climb the floors: " + "; ".join(f"{m} -> {e}" for m, e in upward)
+
+
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"moe_lab.core.atomic": {"moe_lab.runs.plan"}, "moe_lab.runs.plan": {"moe_lab.core.atomic"}}
+    floor = {package: i for i, (_, members) in enumerate(FLOORS) for package in members}
+    assert [(m, e) for m, es in graph.items() for e in es if floor[top_level(e)] > floor[top_level(m)]] == [
+        ("moe_lab.core.atomic", "moe_lab.runs.plan")]
+    assert package_graph(graph) == {"core": {"runs"}, "runs": {"core"}}
+    assert cycles(package_graph(graph)) == [["core", "runs"]]
+
+
 def test_the_ground_floor_imports_nothing_above_it(graph):
     """moe_lab.core (atomic writes, precision, plain config values, export manifests) is the ground floor: it imports
     no other part of moe_lab, which every other floor may import; the MoE layer (moe_lab.moe) reaches no run
@@ -125,16 +184,20 @@ def test_the_ground_floor_imports_nothing_above_it(graph):
 
 def test_no_task_imports_another_task(graph):
     tasks = {m for m in graph if m.startswith("moe_lab.tasks.")}
-    assert {"moe_lab.tasks.finetune", "moe_lab.tasks.compress", "moe_lab.tasks.cd_moe_sft"} <= tasks
+    assert {"moe_lab.tasks.moe_to_dense", "moe_lab.tasks.condenser_two_phase", "moe_lab.tasks.cd_moe_sft"} <= tasks
     crossing = {m: sorted(graph[m] & (tasks | {"moe_lab.tasks"})) for m in sorted(tasks)}
     assert not {m: t for m, t in crossing.items() if t}, "task modules importing task modules"
 
 
 def test_tasks_holds_only_what_run_py_dispatches(graph):
+    """Every module of tasks/ is the run of a task table row; every row's run is a function of tasks/ or runs/."""
     from moe_lab.tasks import TASKS
 
-    modules = {m.removeprefix("moe_lab.tasks.") for m in graph if m.startswith("moe_lab.tasks.")}
-    assert modules == set(TASKS)
+    modules = {m for m in graph if m.startswith("moe_lab.tasks.")}
+    runs = {task.run.partition(":")[0] for task in TASKS.values()}
+    assert modules <= runs
+    assert all(r.startswith(("moe_lab.tasks.", "moe_lab.runs.")) for r in runs)
+    assert all(callable(task.function()) for task in TASKS.values())
 
 
 def test_the_method_registry_imports_no_method_and_is_filled_on_import():

@@ -11,8 +11,7 @@ from .dense import export_compressed, to_dense
 from .prune import prune_experts
 from .scores import METHODS as SCORE_METHODS
 from .scores import scores, select_experts
-from .sweep import dense_sweep, prune_study
 
-__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "condense", "dense_sweep", "export_compressed",
-           "export_condensed", "js_divergence", "load_condensed", "prune_experts", "prune_study", "scores",
+__all__ = ["SCORE_METHODS", "Calibration", "calibrate", "condense", "export_compressed",
+           "export_condensed", "js_divergence", "load_condensed", "prune_experts", "scores",
            "select_experts", "to_dense"]

@@ -3,5 +3,6 @@
 - :mod:`.atomic`: atomic writes of files and directories (nothing half-written is ever read);
 - :mod:`.precision`: master weights and the export dtype (``method.master_weights``);
 - :mod:`.plain`: OmegaConf containers to plain Python values;
-- :mod:`.export_check`: the manifest names of compression exports, and the refusal of an export cut short.
+- :mod:`.export_check`: the manifest names of compression exports, and the refusal of an export cut short;
+- :mod:`.task_table`: one row per ``task=X`` (its run, whether it trains, how it resumes, its manifest, its maps).
 """

@@ -10,15 +10,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from .task_table import POINT_EXPORTS, RUN_EXPORT, tasks_where
+
 #: the manifest a compression export carries (moe_lab.compress.dense), and a condensed model's (moe_lab.compress.condense)
 MANIFEST_FILE = "compress_manifest.json"
 CONDENSE_FILE = "condense_manifest.json"
 
 #: tasks whose ``<run>/export`` always carries a manifest (task=moe_to_dense's stages hold theirs: its
-#: ``distill/export``, a trained student, has none)
-MANIFEST_TASKS = ("compress", "condense", "d2d_prune")
+#: ``distill/export``, a trained student, has none): the task table's ``manifest="run"`` rows
+MANIFEST_TASKS = tasks_where(manifest=RUN_EXPORT)
 #: tasks whose ``<run>/points/<point>/export`` always carries one (each point's pruned model, the base row's too)
-POINT_TASKS = ("expert_removal",)
+POINT_TASKS = tasks_where(manifest=POINT_EXPORTS)
 #: methods whose training export always carries one (the condensed format: condense_manifest.json)
 MANIFEST_METHODS = ("condense_sft",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -103,14 +103,17 @@ class WidenedRouting(ConventionalRouting):
 
 def widen_teacher(teacher: nn.Module, top_k: int, weight_rule: str = "family"):
     """Install moe-lab blocks in ``teacher`` routing every token to ``top_k`` experts; returns the patch."""
-    from ..methods.registry import apply
+    from ..moe.block import MoEBlock
+    from ..moe.patch import MoEPatch
     from ..moe.registry import supported_families
 
     if teacher.config.model_type not in supported_families():
         raise ValueError(f"method.options.teacher_top_k={top_k} widens an MoE teacher's routing, but the teacher is "
                          f"a dense {teacher.config.model_type!r} model: set method.options.teacher_top_k=null")
     weight_rule = weight_rule_name(weight_rule)
-    patch = apply(teacher, "sft")
+    if any(isinstance(m, MoEBlock) for m in teacher.modules()):
+        raise ValueError("the teacher already has moe-lab blocks installed: widen a plain HF teacher")
+    patch = MoEPatch(teacher, method="sft")  # plain routing blocks, which the widened policy then replaces
     for view, block in zip(patch.views, patch.layers):
         if not 1 <= int(top_k) <= view.num_experts:
             patch.remove()

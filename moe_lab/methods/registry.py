@@ -45,11 +45,6 @@ def register_export_loader(filename: str) -> Callable[[Callable], Callable]:
     return _register(EXPORT_LOADERS, filename, "export loader")
 
 
-# Hydra method names (conf/method/<name>.yaml) that train any causal LM, dense or MoE: models.load_model loads a
-# dense model (a model_type outside moe/registry.py's families, e.g. a to_dense export) only for these
-DENSE_METHODS: tuple[str, ...] = ("kd",)
-
-
 # files a method writes beside an export -> the loader that re-installs that method on the vanilla model
 EXPORT_LOADERS: dict[str, Callable] = {}  # filled by register_export_loader
 

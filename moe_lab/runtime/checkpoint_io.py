@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..callbacks.after_validation import AfterValidation
 from ..core.atomic import explain_write_failure, umask_mode
+from .after_validation import AfterValidation
 from .marker_recovery import ADOPT_FIELD, adopt_pending, drop_pending, reverify, write_pending
 from .markers import MARKER, complete_beside, marker_path, sha256_file
 
@@ -151,7 +151,7 @@ class CheckpointOnSignal(AfterValidation):
 
     The checkpoint is written at the end of the first optimizer step after the signal, where ``ModelCheckpoint``
     writes its own: in ``on_train_batch_end``, or, when Lightning validates at that step, once the validation has
-    ended and is logged (:mod:`moe_lab.callbacks.after_validation`). A resumed run then equals an uninterrupted one
+    ended and is logged (:mod:`moe_lab.runtime.after_validation`). A resumed run then equals an uninterrupted one
     (weights, and the rows it logs). The fit stops (``SIGTERMException``) when the next batch starts. Stopping
     anywhere else loses something: before a validation due at the step, its row (the resumed run skips it); in
     the middle of gradient accumulation, the accumulated gradients. Under DDP the ranks decide together at every
@@ -307,7 +307,7 @@ class CompletedCheckpoint(AfterValidation, ModelCheckpoint):
     """``ModelCheckpoint`` that marks each checkpoint COMPLETED once written (a directory checkpoint loses its
     marker before it is overwritten; files are replaced atomically), removes the marker with the checkpoint and,
     with ``keep_last`` > 0, keeps only the ``keep_last`` newest ``step-<n>.ckpt``. The checkpoint of a step that
-    Lightning validates after is written once that validation has ended (:mod:`moe_lab.callbacks.after_validation`).
+    Lightning validates after is written once that validation has ended (:mod:`moe_lab.runtime.after_validation`).
     """
 
     def __init__(self, *args, keep_last: int = 0, **kwargs):

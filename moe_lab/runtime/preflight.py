@@ -41,7 +41,7 @@ def _number(field: str, value, kind: str):
 
 def check_length(cfg: DictConfig) -> None:
     """The run ends: ``max_steps >= 1``, or ``max_steps=-1`` with ``max_epochs >= 1`` (an epoch-based run, as the
-    papers' presets are; its optimizer steps follow from the data: :func:`moe_lab.runtime.plan.optimizer_steps`)."""
+    papers' presets are; its optimizer steps follow from the data: :func:`moe_lab.runs.plan.optimizer_steps`)."""
     steps_field, epochs_field = "task.trainer.max_steps", "task.trainer.max_epochs"
     steps = OmegaConf.select(cfg, steps_field, default=None)
     epochs = OmegaConf.select(cfg, epochs_field, default=None)

@@ -1,6 +1,6 @@
 """What a fine-tuning run refuses before its first step, in one function (:func:`refuse_before_first_step`) that
-the run (:func:`moe_lab.runtime.training._finetune`, on the method it built) and ``plan=true``
-(:func:`moe_lab.runtime.plan.check_method`, on the method built on the meta model) both call, so the plan refuses
+the run (:func:`moe_lab.runs.training._finetune`, on the method it built) and ``plan=true``
+(:func:`moe_lab.runs.plan.check_method`, on the method built on the meta model) both call, so the plan refuses
 exactly what the run would. The methods raise at fit start through the same message functions below (a module
 built outside run.py is still refused)."""
 

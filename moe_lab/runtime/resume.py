@@ -20,7 +20,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ..callbacks.after_validation import AfterValidation
+from .after_validation import AfterValidation
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
 
 class LastStepCheckpoint(AfterValidation):
     """Writes ``last.ckpt`` at the batch that reaches ``max_steps``, inside the epoch, as a periodic checkpoint is
-    (after the validation due at that step, :mod:`moe_lab.callbacks.after_validation`).
+    (after the validation due at that step, :mod:`moe_lab.runtime.after_validation`).
 
     Lightning's own end-of-training save comes after the epoch loop has closed, so a run stopped by ``max_steps``
     mid-epoch is recorded as having finished that epoch: resumed with more steps it would start a new epoch (the

@@ -12,8 +12,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from ..callbacks.after_validation import ResumeAfterValidation
 from . import slurm
+from .after_validation import ResumeAfterValidation
 from .checkpoint_io import AtomicCheckpointIO, checkpoint_callback
 from .strategies import build_strategy
 

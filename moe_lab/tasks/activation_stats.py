@@ -69,7 +69,7 @@ def _installed(cfg: DictConfig, export: Path | None):
 
 def _count_run(cfg: DictConfig, export: Path | None) -> tuple[dict[int, torch.Tensor], int, str]:
     """({layer: counts}, real tokens, routing) of one model counted on ``task.dataset``."""
-    from ..compress.calibrate_run import calibration_sequences
+    from ..runs.calibrate import calibration_sequences
 
     patch, tokenizer, routing = _installed(cfg, export)
     batches, _ = calibration_sequences(cfg.task.dataset, tokenizer, cfg.task.calibration)

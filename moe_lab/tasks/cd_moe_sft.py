@@ -18,13 +18,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..compress.calibrate_run import calibrate_task
-from ..compress.condense_run import condense_task
 from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
 from ..eval.lm_eval_table import results_table, task_source
-from ..runtime.stage import stage_config
-from ..runtime.training import finetune
+from ..runs.calibrate import calibrate_task
+from ..runs.condense import condense_task
+from ..runs.stage import stage_config
+from ..runs.training import finetune
 
 STAGE_KEYS = ("train/loss", "global_step", "resumed_from_step", "wall_time_s", "export")
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..core.atomic import atomic_write_json, atomic_write_text
 from ..methods.condenser import STATE_FILE
-from ..runtime.training import finetune
+from ..runs.training import finetune
 
 INITS = ("original", "phase1")
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from ..compress.calibrate_run import calibration_sequences
 from ..compress.d2d import D2DTarget, best_candidate, prune_candidates, prune_dense
 from ..compress.dense import export_compressed
 from ..compress.diagnostics import write_table
-from ..compress.run import student_ppl
-from ..compress.sweep import format_ppl
 from ..core.atomic import atomic_write_json, atomic_write_text
 from ..core.plain import to_plain
 from ..models import load_model
+from ..runs.calibrate import calibration_sequences
+from ..runs.compress import student_ppl
+from ..runs.compress_sweep import format_ppl
 
 
 def _targets(t) -> dict[str, D2DTarget]:

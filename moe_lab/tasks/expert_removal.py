@@ -21,11 +21,11 @@ from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper
 from ..analysis.report import log_images, markdown_table, write_csv
 from ..compress.dense import MANIFEST_FILE, export_compressed
 from ..core.atomic import atomic_write_json, atomic_write_text
-from ..eval.run import evaluate
 from ..methods.registry import EXPORT_LOADERS
 from ..models import load_model
 from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
+from ..runs.evaluate import evaluate
 from ..runtime.stop_signal import StopOnSignal
 
 SCORES = ("es_act", "es_mag")

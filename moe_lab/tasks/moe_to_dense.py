@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..compress.calibrate_run import calibrate_task
 from ..compress.dense import export_compressed
-from ..compress.run import compress, student_ppl
 from ..core.atomic import atomic_write_json, atomic_write_text
 from ..core.plain import to_plain
 from ..models import load_model
 from ..moe.view import find_moe_layers
-from ..runtime.stage import stage_config
-from ..runtime.training import finetune
+from ..runs.calibrate import calibrate_task
+from ..runs.compress import compress, student_ppl
+from ..runs.stage import stage_config
+from ..runs.training import finetune
 
 log = logging.getLogger(__name__)
 

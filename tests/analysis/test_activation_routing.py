@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import moe_lab
-from moe_lab.compress.calibrate_run import calibration_sequences
 from moe_lab.methods.registry import install_exported_routing
 from moe_lab.models import load_model
+from moe_lab.runs.calibrate import calibration_sequences
 from moe_lab.tasks import run_task
 from tests.conftest import ROOT, build_tiny
 

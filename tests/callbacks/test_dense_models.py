@@ -18,8 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import export_compressed, to_dense
-from moe_lab.methods.registry import DENSE_METHODS
-from moe_lab.models import load_model
+from moe_lab.models import DENSE_METHODS, load_model
 from tests.conftest import ROOT, random_batch, tiny_model_cfg, word_text
 
 MOE_CALLBACKS = ("ExpertLoadCallback", "RouterBiasCallback", "RoutingDriftCallback", "RoutingLogCallback")

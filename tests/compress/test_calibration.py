@@ -398,7 +398,7 @@ def test_calibrate_task_on_local_text(tmp_path):
     again = run_task(_compose(tmp_path / "again", "model=tiny_mixtral", f"compress.calibration.dataset.path={text}",
                               "compress.calibration.num_sequences=5", "compress.calibration.seq_len=16"))
     assert Calibration.load(again["calibration"]).manifest["data"] == cal.manifest["data"]
-    from moe_lab.compress.calibrate_run import calibration_sequences
+    from moe_lab.runs.calibrate import calibration_sequences
 
     sft = _compose(tmp_path / "sft", "model=tiny_mixtral", "dataset@compress.calibration.dataset=synthetic_math",
                    "compress.calibration.num_sequences=5")

@@ -7,8 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe_lab.compress import calibrate
-from moe_lab.compress.calibrate_run import calibration_sequences
 from moe_lab.data.tokenizer import load_tokenizer
+from moe_lab.runs.calibrate import calibration_sequences
 from tests.conftest import build_tiny
 
 
@@ -43,7 +43,7 @@ def test_documents_mode_says_it_takes_the_first_documents(tmp_path, caplog):
     """One line says the rows are the file's first n documents (not a random draw) and how to use [CD-code]'s."""
     _docs(tmp_path / "d.txt")
     data, c = _cfg(tmp_path / "d.txt")
-    with caplog.at_level("INFO", logger="moe_lab.compress.calibrate_run"):
+    with caplog.at_level("INFO", logger="moe_lab.runs.calibrate"):
         calibration_sequences(data, load_tokenizer("byte"), c)
     lines = [r.getMessage() for r in caplog.records if "sample=documents" in r.getMessage()]
     assert len(lines) == 1 and "the first 4 documents of" in lines[0] and str(tmp_path / "d.txt") in lines[0]

@@ -30,9 +30,9 @@ def test_a_truncated_partial_of_the_run_is_deleted_and_the_calibration_restarts(
     whole.save(run / "calibration.partial.safetensors")
     data = (run / "calibration.partial.safetensors").read_bytes()
     (run / "calibration.partial.safetensors").write_bytes(data[: len(data) // 2])  # the kill's leftover
-    with caplog.at_level(logging.WARNING, logger="moe_lab.compress.calibrate_run"):
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runs.calibrate"):
         again = Calibration.load(run_task(_compose(run, *_args(tmp_path)))["calibration"])
-    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.compress.calibrate_run"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runs.calibrate"]
     assert f"{run / 'calibration.partial.safetensors'} is truncated or corrupted" in line
     assert "deleted, the calibration restarts from the first batch" in line
     assert again.manifest == whole.manifest

@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_dir
 from moe_lab.compress import calibrate
 from moe_lab.compress.dense import to_dense
 from moe_lab.compress.prune import prune_experts
-from moe_lab.compress.sweep import (
+from moe_lab.data.tokenizer import load_tokenizer
+from moe_lab.runs.compress_sweep import (
     dense_sweep,
     format_ppl,
     grid_markdown,
@@ -26,7 +27,6 @@ from moe_lab.compress.sweep import (
     write_grid,
     write_prune_study,
 )
-from moe_lab.data.tokenizer import load_tokenizer
 from tests.conftest import ROOT, build_tiny, random_batch
 
 IDS = [3 + (7 * i) % 300 for i in range(96)]
@@ -119,8 +119,8 @@ def _cfg(tmp_path, *overrides):
 
 @pytest.mark.parametrize("mode", ["single", "best_ppl", "grid", "prune"])
 def test_task_compress(mode, tmp_path):
-    from moe_lab.compress.run import compress, eval_ids
     from moe_lab.models import load_model
+    from moe_lab.runs.compress import compress, eval_ids
     from moe_lab.tasks import TASKS
 
     assert "compress" in TASKS

@@ -11,9 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from moe_lab.compress import calibrate, sweep
+from moe_lab.compress import calibrate
 from moe_lab.compress.point_log import PointLog
-from moe_lab.compress.run import compress
+from moe_lab.runs import compress_sweep as sweep
+from moe_lab.runs.compress import compress
 from moe_lab.runtime.stop_signal import Interrupted
 from tests.compress.test_sweep import _cfg
 from tests.conftest import random_batch

@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import export_compressed, to_dense
-from moe_lab.compress.run import eval_ids
 from moe_lab.models import load_model
+from moe_lab.runs.compress import eval_ids
 from moe_lab.tasks.moe_to_dense import baseline_student, ffn_names, kl_curves, plot_kl, reinitialise
 from tests.conftest import ROOT, build_tiny, random_batch, word_text
 
@@ -55,7 +55,7 @@ def test_pipeline_runs_all_stages(tmp_path):
     assert not [c for c in columns if c.startswith(("load/", "drift/"))]
     assert summary["pre_distill"]["student"] == "converted"
     # the distill stage's config.yaml lets task=evaluate load the dense export (the run's method: kd)
-    from moe_lab.eval.run import load_for_eval
+    from moe_lab.runs.evaluate import load_for_eval
     from tests.eval.test_evaluate_task import eval_cfg
 
     model, _, labels = load_for_eval(eval_cfg(tmp_path / "eval", f"task.checkpoint={run / 'distill' / 'export'}"))

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import export_compressed, to_dense
 from moe_lab.eval.choices import choice_item
-from moe_lab.eval.run import evaluate, load_for_eval
 from moe_lab.models import load_model
+from moe_lab.runs.evaluate import evaluate, load_for_eval
 from tests.conftest import DATA_DIR, random_batch, tiny_model_cfg
 from tests.eval.test_evaluate_task import eval_cfg, read_jsonl
 

@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from moe_lab.eval.fingerprint import weights_fingerprint
-from moe_lab.eval.run import evaluate
 from moe_lab.models import load_model
+from moe_lab.runs.evaluate import evaluate
 from tests.conftest import tiny_model_cfg
 from tests.eval.test_evaluate_task import eval_cfg, read_jsonl
 

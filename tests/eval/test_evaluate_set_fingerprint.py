@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moe_lab.eval.run import evaluate
+from moe_lab.runs.evaluate import evaluate
 from tests.eval.test_evaluate_fingerprint import _export
 from tests.eval.test_evaluate_task import eval_cfg, read_jsonl
 

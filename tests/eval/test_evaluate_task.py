@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 from moe_lab.data.prompts import format_prompt
 from moe_lab.eval.results import ResultsTable, collect
 from moe_lab.eval.results import main as results_main
-from moe_lab.eval.run import evaluate
 from moe_lab.eval.score import main as score_main
 from moe_lab.models import load_model
+from moe_lab.runs.evaluate import evaluate
 from tests.conftest import DATA_DIR, ROOT, tiny_model_cfg
 
 STOPS = ["### Instruction:", "\nBelow is an instruction"]

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from moe_lab.eval import lm_eval_bridge
-from moe_lab.eval.run import evaluate
+from moe_lab.runs.evaluate import evaluate
 from tests.conftest import DATA_DIR, ROOT
 
 # [P3] column -> (lm-eval task, shots, result key); finetuning.md section 3

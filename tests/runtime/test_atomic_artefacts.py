@@ -16,8 +16,8 @@ from moe_lab.compress.dense import MANIFEST_FILE, export_compressed
 from moe_lab.core.atomic import atomic_write_json
 from moe_lab.data.tokenizer import load_tokenizer
 from moe_lab.distill import teacher_logits
-from moe_lab.eval.run import load_for_eval
 from moe_lab.models import load_model
+from moe_lab.runs.evaluate import load_for_eval
 from tests.conftest import build_tiny
 from tests.eval.test_evaluate_task import eval_cfg
 

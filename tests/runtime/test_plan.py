@@ -1,4 +1,4 @@
-"""``plan=true`` (moe_lab/runtime/plan.py), the epoch-based preflight and the memory preflight
+"""``plan=true`` (moe_lab/runs/plan.py), the epoch-based preflight and the memory preflight
 (moe_lab/runtime/memory_fit.py).
 
 Oracles: Lightning's own loop (optimizer steps of a real ``Trainer.fit``), torch's DistributedSampler (rows per
@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import run
 from moe_lab.data.resumable import ResumableSampler
+from moe_lab.runs.plan import optimizer_steps, schedule_points
 from moe_lab.runtime import memory_fit
-from moe_lab.runtime.plan import optimizer_steps, schedule_points
 from moe_lab.runtime.preflight import check_length, preflight
 from tests.presets import CONF, compose_preset, data_overrides, preset_rows, real_model_presets
 

@@ -56,9 +56,9 @@ pytestmark = pytest.mark.slow
 #: what a run would import (wandb, deepspeed through accelerate, the model class), imported once by the server
 PRELOAD = ("torch", "lightning", "transformers", "datasets", "hydra", "matplotlib", "matplotlib.pyplot", "pandas",
            "safetensors", "wandb", "accelerate", "deepspeed", "transformers.models.olmoe.modeling_olmoe",
-           "moe_lab.tasks", "moe_lab.runtime.training", "moe_lab.methods.distill", "moe_lab.compress.calibration",
-           "moe_lab.compress.run", "moe_lab.compress.condense_run", "moe_lab.eval.run",
-           "moe_lab.tasks.teacher_logits", "moe_lab.compress.calibrate_run")
+           "moe_lab.tasks", "moe_lab.runs.training", "moe_lab.methods.distill", "moe_lab.compress.calibration",
+           "moe_lab.runs.compress", "moe_lab.runs.condense", "moe_lab.runs.evaluate",
+           "moe_lab.tasks.teacher_logits", "moe_lab.runs.calibrate")
 
 
 # the forked child ------------------------------------------------------------------------------------------------
@@ -379,7 +379,7 @@ CASES = {
                            check_interrupted=_no_record),
     "evaluate": Case(lambda s: ["task=evaluate", "eval=math7", "eval.datasets=[singleeq,addsub]", "eval.limit=4",
                                 "eval.batch_size=2", "eval.generation.max_new_tokens=8"],
-                     ("moe_lab.eval.run:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions,
+                     ("moe_lab.runs.evaluate:PredictionStore.append", 3), _evaluate, check_interrupted=_predictions,
                      resumed="addsub: 2 of 4 rows already predicted"),
 }
 

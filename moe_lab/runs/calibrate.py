@@ -11,9 +11,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from ..compress.calibration import calibrate
 from ..core.atomic import atomic_write_json
 from ..models import load_model
-from .calibration import calibrate
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,8 @@ from ..core.atomic import atomic_write_json
 from ..core.export_check import check_export
 from ..core.plain import flatten, to_plain
 from ..data.prompts import build_prompt
-from ..methods.registry import install_exported_routing
-from ..models import load_model
-from .choices import choice_item, get_format
-from .eval_sets import (
+from ..eval.choices import choice_item, get_format
+from ..eval.eval_sets import (
     GROUPS,
     EvalData,
     EvalSetUnavailable,
@@ -38,9 +36,11 @@ from .eval_sets import (
     resolve,
     row_ids,
 )
-from .fingerprint import model_fingerprint, rows_fingerprint
-from .results import ResultsTable
-from .score import format_summary, score_choice_records, score_predictions
+from ..eval.fingerprint import model_fingerprint, rows_fingerprint
+from ..eval.results import ResultsTable
+from ..eval.score import format_summary, score_choice_records, score_predictions
+from ..methods.registry import install_exported_routing
+from ..models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _prompt(tokenizer, row: dict) -> str:
 
 def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, object]:
     """Generate the rows ``store`` lacks (``ev.batch_size`` prompts per write); ``{row index: prediction}``."""
-    from .generation import generate
+    from ..eval.generation import generate
 
     gen = to_plain(ev.generation)
     ids = row_ids(data)
@@ -216,7 +216,7 @@ def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) 
 
 def _loglik_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, dict]:
     """Multiple-choice log-likelihood records ``{row index: {"loglik", "pred", "pred_norm"}}``, resumable."""
-    from .likelihood import score_choices
+    from ..eval.likelihood import score_choices
 
     fmt = get_format(data.spec.answer_format)
     ids = row_ids(data)
@@ -244,8 +244,8 @@ def _loglik_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) ->
 
 
 def _perplexity_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settings: dict) -> dict:
-    from .likelihood import max_model_length
-    from .perplexity import perplexity
+    from ..eval.likelihood import max_model_length
+    from ..eval.perplexity import perplexity
 
     cfg = to_plain(ev.perplexity)
     max_length = int(cfg["max_length"])
@@ -377,7 +377,7 @@ def _lm_columns(cfg: DictConfig) -> dict:
 
 def _lm_eval_columns(model, tokenizer, ev, columns: dict, key, table: ResultsTable, results: dict) -> None:
     """``eval.lm_eval.tasks`` ({column: {task, metric}}) through lm-evaluation-harness, one table column each."""
-    from .lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
+    from ..eval.lm_eval_bridge import evaluate_with_lm_eval, lm_eval_metrics
 
     lm, t0 = ev.lm_eval, time.time()
     extra = {"confirm_run_unsafe_code": True} if lm.get("confirm_run_unsafe_code") else {}

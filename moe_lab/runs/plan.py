@@ -21,11 +21,19 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.atomic import atomic_write_json
+from ..core.task_table import tasks_where
 from ..methods.schedules import lr_multiplier, warmup_steps_for
-from .memory_fit import ASSUMED_GPU_GB, device_memory_gb, fitting, memory_estimate, node_gpus, world_size
+from ..runtime.memory_fit import (
+    ASSUMED_GPU_GB,
+    device_memory_gb,
+    fitting,
+    memory_estimate,
+    node_gpus,
+    world_size,
+)
 
 log = logging.getLogger(__name__)
-TRAINING_TASKS = ("finetune", "moe_to_dense", "cd_moe_sft", "condenser_two_phase")
+TRAINING_TASKS = tasks_where(trains=True)  # the tasks plan=true shows a trainer, steps and schedule for
 
 
 def optimizer_steps(rows: int, batch_size: int, accumulate: int, world: int, max_epochs: int, max_steps: int) -> dict:
@@ -207,8 +215,8 @@ def check_method(cfg: DictConfig, optimizer_steps: int | None = None) -> str:
 
     from ..analysis.estimate import architecture_config
     from ..analysis.meta_costs import meta_model, quiet_init
-    from .refusals import refuse_before_first_step
-    from .strategies import config_strategy_kind
+    from ..runtime.refusals import refuse_before_first_step
+    from ..runtime.strategies import config_strategy_kind
 
     if cfg.task.name != "finetune":
         return f"method built by task={cfg.task.name} itself: not checked here"

@@ -20,16 +20,16 @@ from pathlib import Path
 import pandas as pd
 from torch import nn
 
+from ..compress.calibration import Calibration
+from ..compress.dense import DenseBuilder, check_choice, check_K, plan
+from ..compress.grouping import GROUPINGS
+from ..compress.merge import SCALINGS, check_scaling
+from ..compress.prune import prune_experts, strategy_counts
+from ..compress.scores import METHODS, select_experts
+from ..compress.scores import scores as expert_scores
 from ..core.atomic import atomic_write, atomic_write_text
 from ..eval.perplexity import perplexity
 from ..moe.view import find_moe_layers
-from .calibration import Calibration
-from .dense import DenseBuilder, check_choice, check_K, plan
-from .grouping import GROUPINGS
-from .merge import SCALINGS, check_scaling
-from .prune import prune_experts, strategy_counts
-from .scores import METHODS, select_experts
-from .scores import scores as expert_scores
 
 log = logging.getLogger(__name__)
 PAPER_SCORES = ("sf", "pp", "ps", "cp", "acp", "do_cp", "do_acp")

@@ -13,15 +13,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..core.atomic import atomic_write_json
-from ..core.plain import to_plain
-from ..models import load_model
-from ..moe.view import find_moe_layers
-from ..runtime.stop_signal import StopOnSignal
-from .calibrate_run import calibration_sequences
-from .calibration import Calibration
-from .condense import condense, export_condensed, to_vanilla
-from .condense_search import (
+from ..compress.calibration import Calibration
+from ..compress.condense import condense, export_condensed, to_vanilla
+from ..compress.condense_search import (
     EXPERT_BASELINES,
     LAYER_METHODS,
     LAYER_METRICS,
@@ -34,8 +28,14 @@ from .condense_search import (
     trim,
     trim_order,
 )
-from .dense import export_compressed
-from .point_log import PointLog
+from ..compress.dense import export_compressed
+from ..compress.point_log import PointLog
+from ..core.atomic import atomic_write_json
+from ..core.plain import to_plain
+from ..models import load_model
+from ..moe.view import find_moe_layers
+from ..runtime.stop_signal import StopOnSignal
+from .calibrate import calibration_sequences
 
 log = logging.getLogger(__name__)
 METHODS = ("cd_moe", "layer_trim", "block_trim")
@@ -213,7 +213,7 @@ def write_layer_losses(losses: dict[str, dict[int, float]], out: Path, label: st
 @torch.no_grad()
 def forward_seconds(model, batches) -> float:
     """Wall time of one forward pass over ``batches`` (after one warm-up batch), synchronising CUDA."""
-    from .condense_search import _run
+    from ..compress.condense_search import _run
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     _run(model, batches[0])

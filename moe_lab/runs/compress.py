@@ -1,6 +1,6 @@
 """The run behind task=compress (and the conversion stage of task=moe_to_dense): MoE -> dense conversion or expert
 pruning from one calibration file, perplexity, export; ``compress.sweep=true`` evaluates a whole grid in one process
-(see ``moe_lab.compress.sweep``)."""
+(see ``moe_lab.runs.compress_sweep``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ..compress.calibration import Calibration
+from ..compress.dense import export_compressed, to_dense
+from ..compress.point_log import PointLog
+from ..compress.prune import prune_experts, strategy_counts
 from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
 from ..data.collate import encode_prompt
@@ -19,11 +23,7 @@ from ..eval.eval_sets import load_eval_set
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..runtime.stop_signal import StopOnSignal
-from .calibration import Calibration
-from .dense import export_compressed, to_dense
-from .point_log import PointLog
-from .prune import prune_experts, strategy_counts
-from .sweep import (
+from .compress_sweep import (
     BEST_PPL,
     choose_scaling,
     dense_sweep,

@@ -22,16 +22,16 @@ from ..callbacks.step_timer import StepTimerCallback
 from ..core.atomic import atomic_write_json
 from ..core.precision import export_in_load_dtype
 from ..models import load_model
-from . import slurm
-from .checkpoint_io import (
+from ..runtime import slurm
+from ..runtime.checkpoint_io import (
     CheckpointOnSignal,
     check_matches,
     check_resumable,
     read_checkpoint,
 )
-from .expert_parallel import ep_dense, ep_size
-from .refusals import refuse_before_first_step
-from .resume import (
+from ..runtime.expert_parallel import ep_dense, ep_size
+from ..runtime.refusals import refuse_before_first_step
+from ..runtime.resume import (
     History,
     LastStepCheckpoint,
     accept_run,
@@ -44,10 +44,10 @@ from .resume import (
     resume_checkpoint,
     run_record,
 )
-from .run_lock import RunLock
-from .stop_signal import RunInterrupted
-from .strategies import config_strategy_kind, gather_full_weights, prepare
-from .trainer import build_trainer, instantiate_all
+from ..runtime.run_lock import RunLock
+from ..runtime.stop_signal import RunInterrupted
+from ..runtime.strategies import config_strategy_kind, gather_full_weights, prepare
+from ..runtime.trainer import build_trainer, instantiate_all
 
 log = logging.getLogger(__name__)
 
