@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from moe_lab.core.task_table import NO_RESUME, TASK_RESUME, TASKS, tasks_where
+from moe_lab.core.task_table import NO_RESUME, TASK_RESUME, TASKS
 
 log = logging.getLogger("moe_lab.run")
 
@@ -113,11 +113,6 @@ def _run_dir_of(resume: str) -> Path:
     return run_dir
 
 
-#: tasks that task.resume=<run dir> continues; how every other kind of run resumes (the task table's rows)
-RESUMED_BY_TASK_RESUME = tasks_where(resume=TASK_RESUME)
-HOW_IT_RESUMES = {name: task.resume for name, task in TASKS.items() if task.resume != TASK_RESUME}
-
-
 def _task_of(run_dir: Path) -> str | None:
     """The task of the run in ``run_dir`` (its config.yaml, else its overrides; None: unknown)."""
     if (run_dir / "config.yaml").is_file():
@@ -135,16 +130,18 @@ def _task_of(run_dir: Path) -> str | None:
 # (Hydra's struct mode would refuse it without a ``+``). Each names the field that selects the config declaring
 # it (value None: any); a map given while that config is not chosen is refused after composition. A task's maps
 # are in its row of the task table.
-OPEN_MAPS = {**{m: ("task.name", name) for name, task in TASKS.items() for m in task.open_maps},
-             "eval.lm_eval.tasks": ("eval.name", None)}
+def open_maps() -> dict[str, tuple[str, str | None]]:
+    """``{map: (field, value)}``: every task's open maps (its row of the task table) and eval's."""
+    return {**{m: ("task.name", name) for name, task in TASKS.items() for m in task.open_maps},
+            "eval.lm_eval.tasks": ("eval.name", None)}
 
 
 def _open_map(override: str) -> str | None:
-    """The OPEN_MAPS entry a plain ``key=value`` override fills (None for any other override)."""
+    """The :func:`open_maps` entry a plain ``key=value`` override fills (None for any other override)."""
     if override.startswith(("+", "~", "-")) or "=" not in override:
         return None
     key = _key(override)
-    return next((m for m in OPEN_MAPS if key == m or key.startswith(m + ".")), None)
+    return next((m for m in open_maps() if key == m or key.startswith(m + ".")), None)
 
 
 def check_open_maps(cfg: DictConfig, argv: list[str]) -> None:
@@ -153,7 +150,7 @@ def check_open_maps(cfg: DictConfig, argv: list[str]) -> None:
         name = _open_map(arg.removeprefix("++"))
         if name is None or not arg.startswith("++"):
             continue
-        field, wanted = OPEN_MAPS[name]
+        field, wanted = open_maps()[name]
         chosen = OmegaConf.select(cfg, field, default=None)
         if chosen is None or (wanted is not None and chosen != wanted):
             need = f"{field.split('.')[0]}={wanted}" if wanted else f"an {field.split('.')[0]} group"
@@ -174,7 +171,7 @@ def expand_argv(argv: list[str]) -> list[str]:
     * ``method.options.<name>=v`` may name any option (``++``): a misspelt one is refused before Hydra runs,
       naming the nearest option (:func:`moe_lab.runtime.override_keys.check_override_keys`), or where that check
       leaves the command to Hydra (a sweep over ``method=``), by the method itself with the list of valid options;
-    * the OPEN_MAPS (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
+    * the open maps (``task.checkpoints.<label>=...``, ``eval.lm_eval.tasks={...}``) accept new keys (``++``).
     """
     global _DEFERRED_SUBDIR, _EXISTING_RUN, RESUME_NOTE
     args = [f"++{a}" if (a.startswith("method.options.") and "=" in a) or _open_map(a) else a for a in argv[1:]]
@@ -188,9 +185,10 @@ def expand_argv(argv: list[str]) -> list[str]:
     if resume:
         run_dir = _run_dir_of(resume)
         kind = _task_of(run_dir)
-        if kind is not None and kind not in RESUMED_BY_TASK_RESUME:
+        how = TASKS[kind].resume if kind in TASKS else NO_RESUME
+        if kind is not None and how != TASK_RESUME:
             raise ValueError(f"task.resume={resume}: {run_dir} is a task={kind} run, which task.resume does not "
-                             f"continue: {HOW_IT_RESUMES.get(kind, NO_RESUME)}")
+                             f"continue: {how}")
         saved = run_dir / HYDRA_SUBDIR / "overrides.yaml"
         if not saved.is_file() and (run_dir / "config.yaml").is_file():
             raise ValueError(f"task.resume={resume}: {saved} is missing (a run directory copied without its hidden "

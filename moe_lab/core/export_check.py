@@ -16,11 +16,6 @@ from .task_table import POINT_EXPORTS, RUN_EXPORT, tasks_where
 MANIFEST_FILE = "compress_manifest.json"
 CONDENSE_FILE = "condense_manifest.json"
 
-#: tasks whose ``<run>/export`` always carries a manifest (task=moe_to_dense's stages hold theirs: its
-#: ``distill/export``, a trained student, has none): the task table's ``manifest="run"`` rows
-MANIFEST_TASKS = tasks_where(manifest=RUN_EXPORT)
-#: tasks whose ``<run>/points/<point>/export`` always carries one (each point's pruned model, the base row's too)
-POINT_TASKS = tasks_where(manifest=POINT_EXPORTS)
 #: methods whose training export always carries one (the condensed format: condense_manifest.json)
 MANIFEST_METHODS = ("condense_sft",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -30,7 +25,7 @@ def writer(export: Path) -> tuple[str | None, str | None, Path | None]:
     """``(task.name, method.name, run dir)`` of the run that wrote ``export`` (its ``config.yaml``), if recorded."""
     runs = [(export.parent, None)]
     if export.parent.parent.name == "points":
-        runs.append((export.parent.parent.parent, POINT_TASKS))
+        runs.append((export.parent.parent.parent, tasks_where(manifest=POINT_EXPORTS)))
     for run, tasks in runs:
         config = run / "config.yaml"
         if config.is_file():
@@ -48,13 +43,15 @@ def writer_task(export: Path) -> str | None:
 
 def check_export(path, field: str) -> None:
     """Raise ``FileNotFoundError`` naming what is missing when ``path`` (the value of ``field``) is an export of a
-    :data:`MANIFEST_TASKS` / :data:`POINT_TASKS` run or a :data:`MANIFEST_METHODS` training run without its
-    manifest."""
+    task whose row of the task table says ``manifest="run"`` (``"points"``: an export of one of its points), or of
+    a :data:`MANIFEST_METHODS` training run, without its manifest (task=moe_to_dense's ``distill/export``, a
+    trained student, needs none)."""
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         return
     task, method, run = writer(path)
-    needs = task in MANIFEST_TASKS or (task in POINT_TASKS and run != path.parent) or method in MANIFEST_METHODS
+    of_points = task in tasks_where(manifest=POINT_EXPORTS) and run != path.parent
+    needs = task in tasks_where(manifest=RUN_EXPORT) or of_points or method in MANIFEST_METHODS
     if not needs or any((path / name).is_file() for name in (MANIFEST_FILE, CONDENSE_FILE)):
         return
     missing = [f"{MANIFEST_FILE} (or {CONDENSE_FILE})"]

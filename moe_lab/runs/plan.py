@@ -33,7 +33,6 @@ from ..runtime.memory_fit import (
 )
 
 log = logging.getLogger(__name__)
-TRAINING_TASKS = tasks_where(trains=True)  # the tasks plan=true shows a trainer, steps and schedule for
 
 
 def optimizer_steps(rows: int, batch_size: int, accumulate: int, world: int, max_epochs: int, max_steps: int) -> dict:
@@ -247,7 +246,7 @@ def plan(cfg: DictConfig) -> dict:
               "no weights loaded"),
              parameter_line(params), f"data-parallel ranks: {world}" + (f" ({world_note})" if world_note else "")]
     length = None
-    if cfg.task.name in TRAINING_TASKS and "trainer" in cfg.task:
+    if cfg.task.name in tasks_where(trains=True) and "trainer" in cfg.task:
         tokenizer, how = _tokenizer(model)
         data = data_plan(cfg.dataset, tokenizer)
         t = cfg.task.trainer
@@ -278,7 +277,7 @@ def plan(cfg: DictConfig) -> dict:
     phases = method_phases(cfg, length)
     summary["phases"] = phases
     lines += [f"phase: {p}" for p in phases]
-    if cfg.task.name in TRAINING_TASKS and "trainer" in cfg.task:
+    if cfg.task.name in tasks_where(trains=True) and "trainer" in cfg.task:
         memory, source = device_memory_gb(cfg)
         if memory is None and str(cfg.hardware.trainer.get("accelerator")) != "cpu":
             memory, source = ASSUMED_GPU_GB, f"{ASSUMED_GPU_GB:.0f} GiB assumed (the papers' GPUs; no CUDA here)"
