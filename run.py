@@ -295,7 +295,7 @@ def execute(cfg: DictConfig) -> dict:
 
 
 def _execute(cfg: DictConfig, out: Path) -> dict:
-    from moe_lab.runtime.preflight import preflight
+    from moe_lab.runs.checks import preflight
     from moe_lab.runtime.resume import accept_run, defer_run_files
     from moe_lab.runtime.stop_signal import RunInterrupted
     from moe_lab.tasks import run_task

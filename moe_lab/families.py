@@ -18,6 +18,9 @@ import re
 import sys
 from pathlib import Path
 
+from .methods import METHODS
+from .methods.registry import undefined_reason
+
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX_PAGE = ROOT / "docs" / "families.md"
 MATRIX_BEGIN, MATRIX_END = "<!-- families:begin -->", "<!-- families:end -->"
@@ -55,8 +58,9 @@ REFUSED: dict[str, str] = {
 # model_type -> note: MoE model types nobody has examined yet
 NOT_LOOKED_AT: dict[str, str] = {}
 
-COLUMNS = ("conformance", "sft", "frozen_router", "esft", "densemixer", "condenser", "compressed_experts", "lora",
-           "calibrate/to_dense/prune", "condense", "kd")
+#: the support matrix's columns: every registered method (moe_lab.methods.registry, in registration order), LoRA,
+#: compression and KD
+COLUMNS = ("conformance", *METHODS, "lora", "calibrate/to_dense/prune", "condense", "kd")
 _EXPERTS = re.compile(r"self\.experts\s*=")
 
 
@@ -109,16 +113,13 @@ def _tiny_rule(model_type: str):
 
 
 def _cell(method: str, spec, rule) -> str:
-    from .moe.support import undefined_reason
-
     reason = undefined_reason(method, spec, rule)
     return "yes" if reason is None else f"no: {reason}"
 
 
 def matrix_row(model_type: str) -> dict[str, str]:
-    """One family's support-matrix cells (``COLUMNS``), from the registry and :mod:`moe_lab.moe.support`."""
-    from .moe.support import undefined_reason
-
+    """One family's support-matrix cells (``COLUMNS``), from the family registry and each method's registration
+    (:func:`moe_lab.methods.registry.undefined_reason`)."""
     spec, rule = _tiny_rule(model_type)
     row = {column: _cell(column, spec, rule) for column in COLUMNS}
     row["conformance"] = "bit-exact (fp32, bf16)"

@@ -81,9 +81,9 @@ def build_tiny(family: str, seed: int = 0, **config_overrides):
 def method_families(method: str) -> tuple[list[str], dict[str, str]]:
     """(the supported families ``method`` is defined for, {family: reason} for those that refuse it), from each
     family's tiny config and :mod:`moe_lab.moe.support` (the check ``moe_lab.apply`` refuses by)."""
+    from moe_lab.methods.registry import undefined_reason
     from moe_lab.models import build_config
     from moe_lab.moe.registry import family_spec, supported_families
-    from moe_lab.moe.support import undefined_reason
 
     defined, refused = [], {}
     for name in supported_families():

@@ -163,7 +163,7 @@ def test_every_method_config_declares_the_options_its_code_accepts():
             if method._target_.endswith("KDModule"):
                 accepted = set(distill.DEFAULTS)
             else:
-                accepted = set(inspect.signature(METHODS[method.method]).parameters) - {"patch"}
+                accepted = set(inspect.signature(METHODS[method.method].install).parameters) - {"patch"}
             assert accepted <= set(method.options), f"{path.name}: {sorted(accepted - set(method.options))}"
 
 

@@ -58,7 +58,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
 FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
     ("ground floor: leaf helpers and the task table", frozenset({"core"})),
     ("the MoE layer and data", frozenset({"moe", "data"})),
-    ("models and the family registry", frozenset({"models", "convert", "families"})),
+    ("models and checkpoint converters", frozenset({"models", "convert"})),
     ("compression algorithms", frozenset({"compress"})),
     ("analysis: statistics, estimates, plots", frozenset({"analysis"})),
     ("run machinery: lock, checkpoints, resume, signals, strategies, trainer", frozenset({"runtime"})),
@@ -68,7 +68,7 @@ FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
     ("evaluation", frozenset({"eval"})),
     ("runs: training, plan, stages and the runs behind task=X", frozenset({"runs", "sweep_summary"})),
     ("tasks", frozenset({"tasks"})),
-    ("the package's face", frozenset({"moe_lab"})),
+    ("the package's face and the support matrix", frozenset({"moe_lab", "families"})),
 )
 
 

@@ -49,9 +49,9 @@ from transformers.integrations.moe import _grouped_linear
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.experts import expert_intermediate_size, expert_mixture, looped_mixture
 from ..moe.patch import MoEPatch
-from ..moe.support import refuse_undefined
+from ..moe.support import output_weighted
 from ..moe.view import MoELayerView
-from .registry import apply, register_export_loader, register_method
+from .registry import apply, method_spec, register_export_loader, register_method
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,12 @@ def default_k_main(top_k: int) -> int:
     return top_k // 2
 
 
-@register_method("compressed_experts")
+@register_method(
+    "compressed_experts", expert_parallel=True, cost_row="compressed_experts",
+    own_experts_pass="Compressed Experts' scaled pass",
+    undefined_for=output_weighted(
+        "Compressed Experts' mixture is sum_main w_i E_i(x * u), the router weight on the main experts' outputs and "
+        "the auxiliary vectors on their input (and a top-1 router has no auxiliary expert at all)"))
 def install_compressed_experts(
     patch: MoEPatch,
     k_main: int | None = None,
@@ -238,7 +243,7 @@ def install_compressed_experts(
         raise ValueError(f"method.options.form={form!r} is not one of {FORMS}")
     if main_weights not in MAIN_WEIGHTS:
         raise ValueError(f"method.options.main_weights={main_weights!r} is not one of {MAIN_WEIGHTS}")
-    refuse_undefined("compressed_experts", patch.spec, patch.views[0].rule)
+    method_spec("compressed_experts").refuse_undefined(patch.spec, patch.views[0].rule)
     top_k = patch.layers[0].top_k
     if top_k < 2:
         raise ValueError(f"compressed_experts needs top_k >= 2 (main + auxiliary experts); this model has "

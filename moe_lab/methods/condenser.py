@@ -59,14 +59,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from ..core.atomic import atomic_write_json
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
 from ..moe.routing import select_topk
 from ..moe.stats import in_backward_pass
-from ..moe.support import refuse_undefined
-from .registry import apply, register_export_loader, register_method
+from ..moe.support import sparsemixer_only
+from .registry import apply, method_spec, register_export_loader, register_method
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,41 @@ def _load_biases(state: dict, patch: MoEPatch) -> bool:
     return has_usage
 
 
-@register_method("condenser")
+def cost_row(cfg) -> str:
+    """The estimate's row of a condenser run: its condenser budget (``replace`` or ``append``)."""
+    return f"condenser_{OmegaConf.select(cfg, 'method.options.budget', default='replace')}"
+
+
+def plan_lines(cfg, length: dict | None) -> list[str]:
+    """When the condensers are chosen and the router biases move (``plan=true``)."""
+    out = []
+    total = length["optimizer_steps"] if length else None
+    o = cfg.method.options
+    if o.get("experts"):
+        out.append("condensers: given (method.options.experts), fixed from step 0")
+    elif o.get("bias_file"):
+        out.append(f"condensers: chosen at the start from the biases of {o.bias_file}")
+    elif int(o.get("n", 0)):
+        u = int(o.selection_updates)
+        if o.get("selection", "pre_phase") == "pre_phase":
+            per = 1 if o.get("update_every") == "micro_batch" else int(cfg.task.trainer.accumulate_grad_batches)
+            when = (f"before step 0 by a forward-only pre-phase: {u} bias updates x {per} micro-batch(es) per "
+                    "rank (no gradients, no optimizer or LR-schedule step)")
+            if length:
+                when += f" = {u * per / length['micro_batches_per_epoch']:.2f} epochs of forwards"
+        else:
+            when = f"during training after {u} bias updates (weights train from step 0)"
+            if total is not None:
+                when += (f"; NEVER within this run's {total} steps: refused" if u >= total
+                         else f" = {u / length['steps_per_epoch']:.2f} epochs of {length['epochs']:.2f}")
+        out.append(f"condensers ({o.n} per layer): chosen {when}")
+    out.append(f"router biases: updated every optimizer step (gamma {o.gamma}, {o.sign})")
+    return out
+
+
+@register_method("condenser", expert_parallel=True, cost_row=cost_row, plan_lines=plan_lines,
+                 undefined_for=sparsemixer_only("selection biases and forced experts are not defined for sparsemixer "
+                                                "routing"))
 def install_condenser(
     patch: MoEPatch,
     gamma: float = 1e-4,
@@ -389,7 +424,7 @@ def install_condenser(
                                   ("condenser_bias", condenser_bias, CONDENSER_BIASES),
                                   ("update_every", update_every, UPDATE_EVERY)):
         _check_choice(field, value, allowed)
-    refuse_undefined("condenser", patch.spec, patch.views[0].rule)
+    method_spec("condenser").refuse_undefined(patch.spec, patch.views[0].rule)
     k, num_experts = patch.layers[0].top_k, patch.layers[0].num_experts
     most = {"replace": k, "append": num_experts - k, "append_all": num_experts}[budget]
     if not 0 <= n <= most:

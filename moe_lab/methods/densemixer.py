@@ -38,9 +38,9 @@ from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture, split
 from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
 from ..moe.routing import RoutingRule, scores_from_logits, topk_denominator
-from ..moe.support import refuse_undefined
+from ..moe.support import first_reason, output_weighted, sparsemixer_only
 from ..runtime.expert_parallel import dispatch_of, pair_dots, pair_mixture
-from .registry import register_method
+from .registry import method_spec, register_method
 
 
 def dense_weights(rule: RoutingRule, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,16 @@ class DenseMixerMixture:
         return out + extra
 
 
-@register_method("densemixer")
+#: where DenseMixer is undefined (its registration's ``undefined_for``)
+UNDEFINED_FOR = first_reason(
+    sparsemixer_only("sparsemixer routing already has its own router-gradient estimator (Heun's third-order); use "
+                     "method=sft"),
+    output_weighted("DenseMixer's straight-through router gradient dL/dw_e = <dL/dy, E_e(x)> is the derivative "
+                    "of the output-weighted mixture sum_e w_e E_e(x) (TopK as the identity), and the paper defines "
+                    "no estimator for dy/dw_e = J_e(w_e x) x"))
+
+
+@register_method("densemixer", undefined_for=UNDEFINED_FOR, expert_parallel=True, cost_row="densemixer")
 def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradient: str = "straight_through",
                        forward: str = "sparse") -> None:
     """Install DenseMixer on every MoE layer.
@@ -217,7 +226,7 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
         raise ValueError(f"method.options.forward={forward!r} with gradient={gradient!r} is not a DenseMixer "
                          f"variant ({fix}); variants (forward, gradient): {sorted(VARIANTS)}")
     for view, block in zip(patch.views, patch.layers):
-        refuse_undefined("densemixer", view.spec, view.rule)
+        method_spec("densemixer").refuse_undefined(view.spec, view.rule)
         width = 3 * expert_intermediate_size(view) + 3 * view.config.hidden_size
         per_token = max(1, view.num_experts - view.top_k) * width * view.down_proj.element_size()
         block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)

@@ -242,7 +242,17 @@ def esft_select(scores: Mapping, p: float, score: str = "token", normalize: bool
 
 
 # installation ------------------------------------------------------------------------------------
-@register_method("esft")
+def plan_lines(cfg, length: dict | None) -> list[str]:
+    """Where the trained experts come from, and when ESFT scores them (``plan=true``)."""
+    c = cfg.method
+    if c.get("selection_file") or c.get("scores_file"):
+        return [f"ESFT experts: from {c.get('selection_file') or c.get('scores_file')} at the start"]
+    return [(f"ESFT scoring ({c.score}, p {c.p}): a routing-statistics pass over the first {c.score_batches} training "
+            "micro-batches at fit start, before step 1")]
+
+
+@register_method("esft", expert_parallel=True, cost_row="esft", refused_strategies=("fsdp",), plan_lines=plan_lines,
+                 own_experts_pass="ESFT's trained-slices pass")
 def install_esft(
     patch: MoEPatch,
     experts: Mapping | None = None,

@@ -1,19 +1,71 @@
-"""The method registry: ``moe_lab.apply(model, method, **options)``."""
+"""The method registry: ``moe_lab.apply(model, method, **options)``, and everything moe-lab knows about a method.
+
+A method is one unit: its module registers its installer with :func:`register_method`, and that one registration
+carries its facts (:class:`MethodSpec`): where it is undefined, whether it runs under expert parallelism, the
+strategies it cannot train under, its cost row, the lines ``plan=true`` prints for it and the expert pass it
+computes itself. The support matrix, the EP and kernel refusals, the memory estimate and the plan read them
+here; ``moe_lab.methods`` imports every module of its package, so a new method's module is found without a list.
+"""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
 from ..moe.block import MoEBlock
+from ..moe.experts_backend import check_name
 from ..moe.patch import MoEPatch
+from ..moe.support import undefined_reason as _layer_undefined_reason
 
-#: method name -> installer ``(patch, **options)``; each method module registers its own
-#: (:func:`register_method`) and ``moe_lab.methods`` imports them all, so the registry imports none of them
-METHODS: dict[str, Callable] = {}
+#: what a method that does not say otherwise is, under ``hardware.ep_size > 1``
+NOT_PROVEN_UNDER_EP = "not proven under expert parallelism"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method's registration.
+
+    - ``install(patch, **options)``: the installer ``apply`` calls (its keyword defaults are the method's option
+      defaults: conf/method/<name>.yaml holds the same values, tests/methods/test_option_defaults.py pins them);
+    - ``undefined_for(family_spec, rule)``: why the method is not defined for a family (None: it is), built from
+      :mod:`moe_lab.moe.support`'s rules; the installer refuses with it and the support matrix prints it;
+    - ``expert_parallel``: its expert computation is the HF experts call, which EP dispatches (proven by the EP
+      tests); False: refused under ``hardware.ep_size > 1``;
+    - ``refused_strategies``: the memory estimate's strategies it cannot train under (left out of plan's options);
+    - ``cost_row(cfg)``: the row of :mod:`moe_lab.analysis.estimate` that prices a run of it (None: ``"sft"``);
+    - ``plan_lines(cfg, length)``: the lines ``plan=true`` prints for its own phases (``length``: the run's step
+      counts, or None);
+    - ``own_experts_pass``: its training pass computes the routed experts itself with grouped GEMMs (named here),
+      so another experts kernel would not be used (refused: ``model.experts_implementation``).
+    """
+
+    name: str
+    install: Callable
+    undefined_for: Callable | None = None
+    expert_parallel: bool = False
+    refused_strategies: tuple[str, ...] = ()
+    cost_row: Callable | None = None
+    plan_lines: Callable | None = None
+    own_experts_pass: str | None = None
+
+    def undefined_reason(self, spec, rule) -> str | None:
+        """Why this method is not defined for the family of ``spec`` (routing ``rule``); None when it is."""
+        return None if self.undefined_for is None else self.undefined_for(spec, rule)
+
+    def refuse_undefined(self, spec, rule) -> None:
+        """Raise a ValueError naming the method, the family and the reason when it is undefined for it."""
+        reason = self.undefined_reason(spec, rule)
+        if reason is not None:
+            raise ValueError(f"{self.name} is not defined for {spec.model_type}: {reason}")
+
+
+#: method name -> its registration; each method module registers its own (:func:`register_method`) and
+#: ``moe_lab.methods`` imports them all, so the registry imports none of them
+METHODS: dict[str, MethodSpec] = {}
 #: adapter name -> ``(patch, base_parameters, **options)`` added on top of any method (``apply(lora={...})``)
 ADAPTERS: dict[str, Callable] = {}
 
@@ -29,9 +81,50 @@ def _register(table: dict, key: str, what: str) -> Callable[[Callable], Callable
     return register
 
 
-def register_method(name: str) -> Callable[[Callable], Callable]:
-    """``@register_method("sft")`` on an installer: ``apply(model, "sft", **options)`` calls it."""
-    return _register(METHODS, name, "method")
+def register_method(name: str, **facts) -> Callable[[Callable], Callable]:
+    """``@register_method("sft", **facts)`` on an installer: ``apply(model, "sft", **options)`` calls it; ``facts``
+    are the other fields of its :class:`MethodSpec`."""
+    def register(install: Callable) -> Callable:
+        known = METHODS.get(name)
+        if known is not None and known.install is not install:
+            raise ValueError(f"method {name!r} is registered twice: {known.install.__module__} and {install.__module__}")
+        METHODS[name] = MethodSpec(name, install, **facts)
+        return install
+
+    return register
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registration of installer ``name`` (``cfg.method.method``); a ValueError naming the choices otherwise."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: choose one of {', '.join(supported_methods())}")
+    return METHODS[name]
+
+
+def undefined_reason(name: str, spec, rule) -> str | None:
+    """Why method ``name`` (or a layer-level operation of :mod:`moe_lab.moe.support`: condense, to_dense, a
+    calibration score) is not defined for the family of ``spec``; None when it is."""
+    if name in METHODS:
+        return METHODS[name].undefined_reason(spec, rule)
+    return _layer_undefined_reason(name, spec, rule)
+
+
+def refuse_method_backend(method: str | None, kernel: str | None) -> None:
+    """Refuse an unknown experts kernel, and a method whose training pass computes the experts itself
+    (``own_experts_pass``) on a kernel it would not use (plan and run:
+    :func:`moe_lab.runs.checks.refuse_before_first_step`)."""
+    check_name(kernel)
+    own = METHODS[method].own_experts_pass if method in METHODS else None
+    if kernel in (None, "grouped_mm") or own is None:
+        return
+    raise ValueError(f"model.experts_implementation={kernel} with method {method}: {own} computes the routed experts "
+                     "itself with grouped GEMMs (the grouped_mm arithmetic), so the kernel would not be used in "
+                     "training; set model.experts_implementation=grouped_mm (or null)")
+
+
+def expert_parallel_methods() -> list[str]:
+    """The installers that run under ``hardware.ep_size > 1``, in registration order."""
+    return [name for name, spec in METHODS.items() if spec.expert_parallel]
 
 
 def register_adapter(name: str) -> Callable[[Callable], Callable]:
@@ -69,11 +162,9 @@ def apply(model: nn.Module, method: str = "sft", lora: dict | None = None, **opt
     ``lora`` (rank, alpha, dropout, targets, train_router; see :mod:`moe_lab.methods.lora`) adds
     adapters on top of any method. Returns the :class:`MoEPatch` (``.layers``, ``.export()``, ``.remove()``).
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(supported_methods())}")
+    installer = method_spec(method).install
     if any(isinstance(m, MoEBlock) for m in model.modules()):
         raise ValueError("this model already has moe-lab blocks installed: call patch.remove() first")
-    installer = METHODS[method]
     accepted = set(inspect.signature(installer).parameters) - {"patch"}
     unknown = sorted(set(options) - accepted)
     if unknown:

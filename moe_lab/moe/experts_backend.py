@@ -8,15 +8,13 @@ choice. moe-lab's blocks call the experts module itself, so sft, frozen_router, 
 DenseMixer's forward follow the chosen kernel and stay bit-identical to vanilla HF on it
 (tests/moe/test_experts_backends.py). Two methods run their own grouped-GEMM experts pass in training (ESFT's
 trained-slices pass, Compressed Experts' scaled pass): they are refused on any kernel but ``grouped_mm`` /
-``null``, naming the fix (:func:`refuse_method_backend`). DenseMixer's inactive-expert pass (router gradient only)
+``null``, naming the fix (their registration's ``own_experts_pass``, :func:`moe_lab.methods.registry.refuse_method_backend`). DenseMixer's inactive-expert pass (router gradient only)
 is grouped GEMMs on every kernel.
 """
 
 from __future__ import annotations
 
 BACKENDS = ("eager", "batched_mm", "grouped_mm", "sonicmoe", "deepgemm")
-#: methods whose training pass computes the routed experts itself with grouped GEMMs (the grouped_mm arithmetic)
-OWN_GROUPED_PASS = {"esft": "ESFT's trained-slices pass", "compressed_experts": "Compressed Experts' scaled pass"}
 
 
 def gpu_kernel_problem(name: str) -> str | None:
@@ -60,14 +58,3 @@ def check_name(name: str | None) -> None:
     if name is not None and name not in BACKENDS:
         raise ValueError(f"model.experts_implementation={name}: choose one of {', '.join(BACKENDS)}, or null "
                          "(transformers' default)")
-
-
-def refuse_method_backend(method: str | None, name: str | None) -> None:
-    """Refuse an unknown kernel name, and a method whose training pass computes the experts itself on a kernel it
-    would not use (plan and run: :func:`moe_lab.runtime.refusals.refuse_before_first_step`)."""
-    check_name(name)
-    if name in (None, "grouped_mm") or method not in OWN_GROUPED_PASS:
-        return
-    raise ValueError(f"model.experts_implementation={name} with method {method}: {OWN_GROUPED_PASS[method]} computes "
-                     "the routed experts itself with grouped GEMMs (the grouped_mm arithmetic), so the kernel would "
-                     "not be used in training; set model.experts_implementation=grouped_mm (or null)")

@@ -1,7 +1,8 @@
-"""Which methods are defined for which routing or expert layout: the one place an installer asks before it
-refuses, and that the support matrix (``python -m moe_lab.families --markdown``) reads.
-
-A method not named in :data:`UNDEFINED` works on every family's uniform view.
+"""Where an operation is undefined for a routing or expert layout: the rules (:func:`sparsemixer_only`,
+:func:`output_weighted`, :func:`first_reason`) a method's registration builds its ``undefined_for`` from
+(:class:`moe_lab.methods.registry.MethodSpec`), and the layer-level operations' own rules (:data:`UNDEFINED`:
+condensing, to_dense, the calibration scores that read the routing weight), which the compression code asks before
+it refuses. The support matrix (``python -m moe_lab.families --markdown``) prints both.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from .registry import NO_DENSE_TARGET, FamilySpec
 from .routing import RoutingRule
 
 
-def _sparsemixer(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
+def sparsemixer_only(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
+    """``reason`` for families whose router is sparsemixer (its own router-gradient estimator)."""
     return lambda spec, rule: reason if rule.score == "sparsemixer" else None
 
 
-def _first(*checks: Callable[[FamilySpec, RoutingRule], str | None]) -> Callable[[FamilySpec, RoutingRule], str | None]:
+def first_reason(*checks: Callable[[FamilySpec, RoutingRule], str | None]) -> Callable[[FamilySpec, RoutingRule], str | None]:
     """The first reason any of ``checks`` gives (None when none does)."""
     return lambda spec, rule: next((r for r in (check(spec, rule) for check in checks) if r is not None), None)
 
 
-def _output_weighted(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
+def output_weighted(reason: str) -> Callable[[FamilySpec, RoutingRule], str | None]:
     """``reason`` for families whose routing weight scales the expert input (registry ``weight_on_input``)."""
     return lambda spec, rule: f"{reason}; here the routing weight scales the expert input, y = sum_e E_e(w_e x)" \
         if spec.weight_on_input else None
@@ -52,23 +54,14 @@ def _dense_target(spec: FamilySpec, rule: RoutingRule) -> str | None:
     return None
 
 
-# method -> check(spec, rule): the reason the method is undefined for that family, or None
+# operation -> check(spec, rule): the reason it is undefined for that family, or None (a method's own rule is
+# in its registration)
 UNDEFINED: dict[str, Callable[[FamilySpec, RoutingRule], str | None]] = {
-    "densemixer": _first(
-        _sparsemixer("sparsemixer routing already has its own router-gradient estimator (Heun's third-order); use "
-                     "method=sft"),
-        _output_weighted("DenseMixer's straight-through router gradient dL/dw_e = <dL/dy, E_e(x)> is the derivative "
-                         "of the output-weighted mixture sum_e w_e E_e(x) (TopK as the identity), and the paper defines "
-                         "no estimator for dy/dw_e = J_e(w_e x) x")),
-    "compressed_experts": _output_weighted(
-        "Compressed Experts' mixture is sum_main w_i E_i(x * u), the router weight on the main experts' outputs and "
-        "the auxiliary vectors on their input (and a top-1 router has no auxiliary expert at all)"),
-    "condenser": _sparsemixer("selection biases and forced experts are not defined for sparsemixer routing"),
     "condense": _condensable,
     # calibration scores read from the router-weighted output norm w_e ||f_e(x)|| (f_e unweighted)
-    "reap": _output_weighted("REAP scores an expert by its router-weighted output norm w_e norm(E_e(x)), the size of "
+    "reap": output_weighted("REAP scores an expert by its router-weighted output norm w_e norm(E_e(x)), the size of "
                              "its contribution to sum_e w_e E_e(x); use another score (e.g. ean_mean, es_act)"),
-    "es_mag": _output_weighted("gated ES-Mag scores an expert by norm(w_e E_e(x)), its contribution to sum_e w_e E_e(x); "
+    "es_mag": output_weighted("gated ES-Mag scores an expert by norm(w_e E_e(x)), its contribution to sum_e w_e E_e(x); "
                                "use es_mag variant=ungated"),
     "to_dense": _dense_target,
 }

@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..core.atomic import atomic_write_json
 from ..core.task_table import tasks_where
+from ..methods.registry import METHODS
 from ..methods.schedules import lr_multiplier, warmup_steps_for
-from ..runtime.memory_fit import (
+from .memory_fit import (
     ASSUMED_GPU_GB,
     device_memory_gb,
     fitting,
@@ -103,36 +104,9 @@ def data_plan(dataset_cfg, tokenizer) -> dict:
 def method_phases(cfg: DictConfig, length: dict | None) -> list[str]:
     """When the method's (and the task's) own phases happen."""
     out = []
-    method = str(cfg.method.get("method") or cfg.method.get("name"))
-    total = length["optimizer_steps"] if length else None
-    if method == "condenser":
-        o = cfg.method.options
-        if o.get("experts"):
-            out.append("condensers: given (method.options.experts), fixed from step 0")
-        elif o.get("bias_file"):
-            out.append(f"condensers: chosen at the start from the biases of {o.bias_file}")
-        elif int(o.get("n", 0)):
-            u = int(o.selection_updates)
-            if o.get("selection", "pre_phase") == "pre_phase":
-                per = 1 if o.get("update_every") == "micro_batch" else int(cfg.task.trainer.accumulate_grad_batches)
-                when = (f"before step 0 by a forward-only pre-phase: {u} bias updates x {per} micro-batch(es) per "
-                        "rank (no gradients, no optimizer or LR-schedule step)")
-                if length:
-                    when += f" = {u * per / length['micro_batches_per_epoch']:.2f} epochs of forwards"
-            else:
-                when = f"during training after {u} bias updates (weights train from step 0)"
-                if total is not None:
-                    when += (f"; NEVER within this run's {total} steps: refused" if u >= total
-                             else f" = {u / length['steps_per_epoch']:.2f} epochs of {length['epochs']:.2f}")
-            out.append(f"condensers ({o.n} per layer): chosen {when}")
-        out.append(f"router biases: updated every optimizer step (gamma {o.gamma}, {o.sign})")
-    if method == "esft":
-        c = cfg.method
-        if c.get("selection_file") or c.get("scores_file"):
-            out.append(f"ESFT experts: from {c.get('selection_file') or c.get('scores_file')} at the start")
-        else:
-            out.append(f"ESFT scoring ({c.score}, p {c.p}): a routing-statistics pass over the first "
-                       f"{c.score_batches} training micro-batches at fit start, before step 1")
+    method = METHODS.get(str(cfg.method.get("method") or cfg.method.get("name")))
+    if method is not None and method.plan_lines is not None:
+        out += method.plan_lines(cfg, length)
     task = cfg.task.name
     if task == "moe_to_dense":
         cal = cfg.compress.calibration
@@ -208,14 +182,14 @@ def parameter_line(p: dict) -> str:
 
 def check_method(cfg: DictConfig, optimizer_steps: int | None = None) -> str:
     """Build the method on the model's meta-device twin (no weights) and refuse what the run would refuse before
-    its first step (:func:`~.refusals.refuse_before_first_step`, the run's own check), given the run's
+    its first step (:func:`~.checks.refuse_before_first_step`, the run's own check), given the run's
     ``optimizer_steps``. Returns what was checked."""
     import torch
 
     from ..analysis.estimate import architecture_config
     from ..analysis.meta_costs import meta_model, quiet_init
-    from ..runtime.refusals import refuse_before_first_step
     from ..runtime.strategies import config_strategy_kind
+    from .checks import refuse_before_first_step
 
     if cfg.task.name != "finetune":
         return f"method built by task={cfg.task.name} itself: not checked here"

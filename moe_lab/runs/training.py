@@ -30,7 +30,6 @@ from ..runtime.checkpoint_io import (
     read_checkpoint,
 )
 from ..runtime.expert_parallel import ep_dense, ep_size
-from ..runtime.refusals import refuse_before_first_step
 from ..runtime.resume import (
     History,
     LastStepCheckpoint,
@@ -48,6 +47,7 @@ from ..runtime.run_lock import RunLock
 from ..runtime.stop_signal import RunInterrupted
 from ..runtime.strategies import config_strategy_kind, gather_full_weights, prepare
 from ..runtime.trainer import build_trainer, instantiate_all
+from .checks import refuse_before_first_step
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: installers whose expert computation is the HF experts call (the seam); the others compute on the packed weights
-#: themselves and are refused under EP, each with its reason
-EP_INSTALLERS = ("sft", "frozen_router", "condenser", "densemixer", "esft", "compressed_experts")
-EP_REFUSED = {
-    "kd": "the teacher and the dense student are not expert parallel",
-}
 
 
 def ep_size(cfg) -> int:
@@ -57,36 +51,6 @@ def ep_dense(cfg) -> str:
         raise ValueError(f"hardware.ep_dense={value!r}: choose zero1 (the dense part's AdamW state sharded over every "
                          "rank, ZeRO stage 1) or ddp (whole on every rank)")
     return value
-
-
-def check_method(module, ep_size: int) -> None:
-    """Refuse, by name, a method (its installer), LoRA on experts or fp32 masters in the optimizer that cannot run
-    under ``hardware.ep_size > 1`` (plan and run call it through :func:`~.refusals.refuse_before_first_step`)."""
-    if ep_size <= 1:
-        return
-    hparams = getattr(module, "hparams", {})
-    name = hparams.get("name") or getattr(module, "method", None)
-    installer = "kd" if hasattr(module, "kd") else getattr(module, "method", None)
-    where = f"method={name} under hardware.ep_size={ep_size}"
-    runs = "the methods that run under EP: " + ", ".join(EP_INSTALLERS) + " (and their variants, e.g. sft_aux_free)"
-    if installer in EP_REFUSED:
-        raise ValueError(f"{where}: {EP_REFUSED[installer]}. Use hardware.ep_size=1 (DDP, ZeRO or FSDP); {runs}")
-    if installer not in EP_INSTALLERS:
-        raise ValueError(f"{where}: not proven under expert parallelism; {runs}")
-    patch = getattr(module, "patch", None)
-    if patch is not None and any(k.endswith((".lora0", ".lora1")) for k in patch.expert_slice_masks):
-        raise ValueError(f"{where}: LoRA on ESFT's selected experts masks the adapters' gradients by hooks that EP "
-                         "does not move to the sharded adapters; drop 'experts' from method.lora.targets or use "
-                         "hardware.ep_size=1")
-    if patch is not None and any(getattr(getattr(block, "compressed_experts", None), "up_input_scale", None)
-                                 is not None for block in patch.layers):
-        raise ValueError(f"{where}: compressed_experts' form=gate_up_intermediate scales the gate and up inputs and "
-                         "the intermediate activation apart, inside the experts, which the dispatched experts call "
-                         "does not take; use method.options.form=input (the paper's section 2.2) or "
-                         "hardware.ep_size=1")
-    if getattr(module, "master_weights", None) == "optimizer":
-        raise ValueError(f"{where}: method.master_weights=optimizer steps fp32 copies the EP gradient reduction and "
-                         "clipping do not see; use method.master_weights=fp32")
 
 
 @dataclass

@@ -122,18 +122,3 @@ def check_wandb(cfg: DictConfig, timeout_s: float = 3.0) -> None:
             reason = f"{host} is unreachable ({type(err).__name__})"
     os.environ["WANDB_MODE"] = "offline"
     log.warning("logger=wandb: %s, logging offline (WANDB_MODE=offline); upload later with `wandb sync`", reason)
-
-
-def preflight(cfg: DictConfig, plan: bool = False) -> None:
-    """All checks for ``cfg.task.name`` (the finetune checks only where they apply). ``plan=True`` (``plan=true``)
-    keeps the checks of the config and skips those of this machine (CUDA, memory of its GPU, W&B's network):
-    a plan is made anywhere and reports the memory instead of refusing."""
-    from .memory_fit import check_memory
-
-    if cfg.task.name == "finetune":
-        check_numbers(cfg)
-    if plan:
-        return
-    check_hardware(cfg)
-    check_memory(cfg)
-    check_wandb(cfg)

@@ -1,60 +1,12 @@
-"""What a fine-tuning run refuses before its first step, in one function (:func:`refuse_before_first_step`) that
-the run (:func:`moe_lab.runs.training._finetune`, on the method it built) and ``plan=true``
-(:func:`moe_lab.runs.plan.check_method`, on the method built on the meta model) both call, so the plan refuses
-exactly what the run would. The methods raise at fit start through the same message functions below (a module
-built outside run.py is still refused)."""
+"""The refusals a method raises at fit start and :func:`moe_lab.runs.checks.refuse_before_first_step` raises before
+it (plan and run), in one message function each, so a module built outside run.py is refused as the run is."""
 
 from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig, OmegaConf
-
-from ..moe.experts_backend import refuse_method_backend
-from .expert_parallel import check_method, ep_size
-from .preflight import check_numbers
-from .strategies import config_strategy_kind, refuse_unsupported
-
 EXPORT_ONLY = ("KDModule(export_only=True) has no teacher: it converts or exports a checkpoint and cannot train "
                "(build it without export_only)")
-
-
-def refuse_before_first_step(cfg: DictConfig, module, optimizer_steps: float | None = None) -> None:
-    """Refuse ``cfg``'s run with ``module`` (its built method) for what it would refuse before its first step: the
-    config's numbers, the method on its experts kernel and under the hardware's strategy and precision, FSDP's clipping, a method that
-    cannot train, and (given the run's ``optimizer_steps``) a schedule or condenser choice the run's length
-    cannot honour. The run passes no ``optimizer_steps`` (its trainer counts them at fit start, and the method
-    refuses through the same functions there); the plan passes the steps it counted. The numbers are checked for
-    task=finetune (as the preflight does; a multi-stage task's stages set their own)."""
-    if cfg.task.name == "finetune":
-        check_numbers(cfg)
-    refuse_method_backend(OmegaConf.select(cfg, "method.method"), OmegaConf.select(cfg, "model.experts_implementation"))
-    kind = config_strategy_kind(cfg.hardware.trainer)
-    refuse_unsupported(module, kind, OmegaConf.select(cfg, "hardware.trainer.precision"))
-    refuse_expert_parallel(module, kind, ep_size(cfg))
-    if OmegaConf.select(cfg, "task.trainer.gradient_clip_val", default=None):
-        check_fsdp_clipping(kind, OmegaConf.select(cfg, "task.trainer.gradient_clip_algorithm", default=None))
-    if getattr(module, "export_only", False):
-        raise ValueError(EXPORT_ONLY)
-    if optimizer_steps is None:
-        return
-    scheduler = getattr(module, "scheduler_cfg", None)
-    if scheduler is not None:
-        check_schedule_length(scheduler, optimizer_steps)
-    updater = getattr(getattr(module, "patch", None), "bias_updater", None)
-    if updater is not None and updater.pending and updater.selection == "in_run":
-        accumulate = int(OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1)
-        check_in_run_choice(updater, optimizer_steps, accumulate)
-
-
-def refuse_expert_parallel(module, kind: str, size: int) -> None:
-    """``hardware.ep_size > 1`` composes with DDP for the dense part, for the methods that run under EP."""
-    if size <= 1:
-        return
-    if kind != "ddp":
-        raise ValueError(f"hardware.ep_size={size} under a {kind} strategy: expert parallelism composes with DDP for the "
-                         "dense part (hardware=gpu_ep, or ddp_cpu_ep on CPU); ZeRO and FSDP with EP are not built")
-    check_method(module, size)
 
 
 def check_fsdp_clipping(kind: str, algorithm: str | None) -> None:

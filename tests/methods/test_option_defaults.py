@@ -43,7 +43,7 @@ def test_a_methods_config_and_its_installer_share_their_defaults(name):
     cfg = _method(name)
     if cfg.get("_target_") not in INSTALLER_OPTIONS:
         pytest.skip(f"method={name}: {cfg.get('_target_')} reads its options itself")
-    installer = METHODS[cfg.method]
+    installer = METHODS[cfg.method].install
     options = cfg.get("options")
     options = OmegaConf.to_container(options, resolve=True) if isinstance(options, DictConfig) else dict(options or {})
     parameters = inspect.signature(installer).parameters

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 import moe_lab
 from moe_lab.methods.base import MoELightningModule
+from moe_lab.methods.registry import undefined_reason
 from moe_lab.moe import find_moe_layers
-from moe_lab.moe.support import undefined_reason
 from tests.conftest import FAMILY_PARAMS, build_tiny, random_batch
 
 

@@ -17,8 +17,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import moe_lab
+from moe_lab.methods.registry import refuse_method_backend
 from moe_lab.models import load_model
-from moe_lab.moe.experts_backend import refuse_method_backend, set_experts_implementation
+from moe_lab.moe.experts_backend import set_experts_implementation
 from tests.conftest import ALL_FAMILIES, ROOT, build_tiny, random_batch
 from tests.moe.test_conformance import _assert_equal, _forward_backward
 

@@ -19,8 +19,8 @@ import safetensors.torch
 import torch
 import transformers
 
-from moe_lab.runtime import expert_parallel
-from moe_lab.runtime.refusals import refuse_expert_parallel
+from moe_lab.methods import ep_support
+from moe_lab.runs.checks import refuse_expert_parallel
 from tests.conftest import ROOT
 from tests.test_run import run_py
 
@@ -175,19 +175,21 @@ class _Module:
 
 @pytest.mark.parametrize("method,reason", [("mystery", "not proven under expert parallelism")])
 def test_methods_that_cannot_run_under_ep_are_refused_by_name(method, reason):
-    with pytest.raises(ValueError, match=rf"method={method} under hardware.ep_size=2: .*{reason}.*sft, frozen_router, "
-                                         "condenser, densemixer, esft, compressed_experts"):
-        expert_parallel.check_method(_Module(method), 2)
-    expert_parallel.check_method(_Module(method), 1)  # no EP: nothing to refuse
+    with pytest.raises(ValueError, match=rf"method={method} under hardware.ep_size=2: .*{reason}") as refused:
+        ep_support.check_method(_Module(method), 2)
+    listed = str(refused.value).split("the methods that run under EP: ")[1].split(" (and their variants")[0]
+    assert sorted(listed.split(", ")) == sorted(["sft", "frozen_router", "condenser", "densemixer", "esft",
+                                                 "compressed_experts"])
+    ep_support.check_method(_Module(method), 1)  # no EP: nothing to refuse
 
 
 def test_ep_refusals_for_strategy_masters_and_kd():
     with pytest.raises(ValueError, match=r"hardware.ep_size=8 under a deepspeed_zero3 strategy.*hardware=gpu_ep"):
         refuse_expert_parallel(_Module("sft"), "deepspeed_zero3", 8)
     with pytest.raises(ValueError, match=r"master_weights=optimizer.*master_weights=fp32"):
-        expert_parallel.check_method(_Module("sft", master_weights="optimizer"), 2)
+        ep_support.check_method(_Module("sft", master_weights="optimizer"), 2)
     with pytest.raises(ValueError, match=r"method=kd under hardware.ep_size=2: the teacher"):
-        expert_parallel.check_method(_Module("sft", name="kd", kd={}), 2)
+        ep_support.check_method(_Module("sft", name="kd", kd={}), 2)
     refuse_expert_parallel(_Module("condenser"), "ddp", 2)
     refuse_expert_parallel(_Module("densemixer"), "ddp", 2)
 

@@ -1,5 +1,5 @@
 """``plan=true`` (moe_lab/runs/plan.py), the epoch-based preflight and the memory preflight
-(moe_lab/runtime/memory_fit.py).
+(moe_lab/runs/memory_fit.py).
 
 Oracles: Lightning's own loop (optimizer steps of a real ``Trainer.fit``), torch's DistributedSampler (rows per
 rank), hand-computed schedule values, and the tiny-sibling run of a preset (its global step and data counts are
@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import run
 from moe_lab.data.resumable import ResumableSampler
+from moe_lab.runs import memory_fit
+from moe_lab.runs.checks import preflight
 from moe_lab.runs.plan import optimizer_steps, schedule_points
-from moe_lab.runtime import memory_fit
-from moe_lab.runtime.preflight import check_length, preflight
+from moe_lab.runtime.preflight import check_length
 from tests.presets import CONF, compose_preset, data_overrides, preset_rows, real_model_presets
 
 #: the D2D presets prune and distil a DENSE Qwen3-32B: moe-lab's memory estimate (analysis/estimate) models MoE

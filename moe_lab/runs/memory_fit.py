@@ -9,8 +9,9 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from .expert_parallel import ep_dense, ep_size
-from .strategies import config_strategy_kind
+from ..methods.registry import METHODS
+from ..runtime.expert_parallel import ep_dense, ep_size
+from ..runtime.strategies import config_strategy_kind
 
 log = logging.getLogger(__name__)
 
@@ -18,10 +19,10 @@ log = logging.getLogger(__name__)
 HARDWARE = {"ddp": "gpu_ddp", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3",
             "zero3_offload": "deepspeed_zero3_offload", "fsdp": "fsdp", "ep": "gpu_ep",
             "ep_ddp": "gpu_ep hardware.ep_dense=ddp"}
-#: strategies a method is refused under (moe_lab.runtime.strategies: LoRA and ESFT's expert slices on FSDP's flat
-#: parameters)
-REFUSED = {"esft": ("fsdp",), "lora": ("fsdp",),  # ep, ep_ddp: moe_lab.runtime.expert_parallel.EP_REFUSED
-           "kd": ("ep", "ep_ddp"), "dense_student": ("ep", "ep_ddp")}
+#: strategies the estimate rows of no installer are refused under (moe_lab.runtime.strategies: LoRA's adapters on
+#: FSDP's flat parameters; KD's teacher and dense student are not expert parallel); an installer's are in its
+#: registration (``refused_strategies``, and ``expert_parallel``)
+REFUSED = {"lora": ("fsdp",), "kd": ("ep", "ep_ddp"), "dense_student": ("ep", "ep_ddp")}
 ASSUMED_GPU_GB = 80.0  # GiB: the papers' machines, 8 x 80 GB GPUs (A100/H100 80GB: 80 GiB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -36,17 +37,27 @@ def estimate_strategy(trainer_cfg) -> str:
     return {"deepspeed_zero2": "zero2", "fsdp": "fsdp"}.get(kind, "ddp")
 
 
+def _installer(cfg: DictConfig):
+    return METHODS.get(str(cfg.method.get("method") or cfg.method.get("name")))
+
+
 def estimate_method(cfg: DictConfig) -> str:
-    """The estimate's method row for ``cfg.method`` (condenser budget, LoRA, ESFT variants, KD)."""
+    """The estimate's method row for ``cfg.method``: LoRA's, KD's, or its installer's ``cost_row`` (``sft``
+    where it names none)."""
     if cfg.method.get("lora"):
         return "lora"
     if cfg.method.get("name") == "kd":  # teacher (frozen) + student
         return "kd"
-    kind = str(cfg.method.get("method") or cfg.method.get("name"))
-    if kind == "condenser":
-        budget = OmegaConf.select(cfg, "method.options.budget", default="replace")
-        return f"condenser_{budget}"
-    return kind if kind in ("densemixer", "compressed_experts", "esft", "kd") else "sft"
+    row = getattr(_installer(cfg), "cost_row", None)
+    return row(cfg) if callable(row) else row or "sft"
+
+
+def refused_strategies(cfg: DictConfig, row: str) -> tuple[str, ...]:
+    """The estimate strategies ``cfg``'s method (estimate ``row``) is refused under."""
+    if row in REFUSED:
+        return REFUSED[row]
+    spec = _installer(cfg)
+    return () if spec is None else spec.refused_strategies + (() if spec.expert_parallel else ("ep", "ep_ddp"))
 
 
 def sequence(cfg: DictConfig) -> tuple[int, int]:
@@ -95,7 +106,7 @@ def memory_estimate(cfg: DictConfig, gpus: int, alternatives_gpus: int | None = 
         else rows(gpus)
     names = {**HARDWARE, "ddp": "gpu" if gpus <= 1 else "gpu_ddp"}
     options = [(HARDWARE[s] if s != "ddp" else names["ddp"], r["gpu_total_gb"]) for s, r in alternatives.items()
-               if s not in REFUSED.get(method, ())]
+               if s not in refused_strategies(cfg, method)]
     return {"method": method, "strategy": strategy, "hardware": names[strategy], "checkpointing": ckpt,
             "seq_len": seq_len, "batch": batch, "gpus": gpus, "alternatives_gpus": alt,
             "gpu_gb": current[strategy]["gpu_total_gb"], "cpu_gb": current[strategy]["cpu_gb"], "options": options,
