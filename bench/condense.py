@@ -1,4 +1,4 @@
-"""CD-MoE greedy expert search (spec compression.md 3.5): cached candidate evaluation against the naive search
+"""CD-MoE greedy expert search (docs/specs/compression.md 3.5): cached candidate evaluation against the naive search
 that condenses the layer and runs a full model forward per candidate, E = 64, K_r = 6 (369 candidates per
 layer), on a tiny but deep random DeepSeek-V2 (2 shared + 64 routed experts, top-6, --layers decoder layers,
 layer 0 dense). Target: cached >= 20x faster.

@@ -35,7 +35,7 @@ def _hp(model, dataset, lr, batch, epochs, seq, warmup, schedule, eval_group, wd
                 warmup_ratio=warmup, schedule=schedule, eval=eval_group, wd=wd, betas=betas, clip=clip, **extra)
 
 
-# preset -> hyper-parameters (finetuning.md section 2; "Pub" = the public code the spec quotes)
+# preset -> hyper-parameters (docs/specs/finetuning.md section 2; "Pub" = the public code the spec quotes)
 CONDENSER_OLMOE = _hp(OLMOE_0125, "math7k", 2e-5, 256, 2, 4096, 0.03, "linear", "math7")  # DenseMixer Pub OLMoE
 CONDENSER_QWEN = _hp(QWEN15, "math7k", 1e-5, 64, 2, 4096, 0.1, "cosine", "math7")  # DenseMixer Pub Qwen1.5
 S1 = {"lr": 1e-5, "batch": 16, "epochs": 5, "seq": 16384, "warmup": 0.05, "schedule": "cosine",

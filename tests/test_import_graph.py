@@ -1,6 +1,6 @@
 """moe_lab's import graph, read from its own sources (every ``import`` / ``from ... import`` of every module,
 those inside functions included): it has no cycles, module by module and package by package; every import looks
-down the floors of :data:`FLOORS` (docs/architecture.md draws them); and no task module imports another task
+down the floors of :data:`FLOORS` (docs/design.md draws them); and no task module imports another task
 module (tasks/ holds only what run.py dispatches, each task composed of runs and library calls)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CD-MoE / ConDense-MoE (spec compression.md 3.1-3.4, 3.8): fixed gates, the condensed layer, the JS divergence
+"""CD-MoE / ConDense-MoE (docs/specs/compression.md 3.1-3.4, 3.8): fixed gates, the condensed layer, the JS divergence
 the search uses, and export / reload of condensed models.
 
 ``condense(model, calibration, layers=[...], experts={layer: [ids]})`` replaces the MoE block of each listed

@@ -1,4 +1,4 @@
-"""CD-MoE searches (spec compression.md 3.5-3.7): greedy expert selection per layer (paper Algorithm 1) with
+"""CD-MoE searches (docs/specs/compression.md 3.5-3.7): greedy expert selection per layer (paper Algorithm 1) with
 cached candidate evaluation, greedy layer selection (Algorithm 2), and the baselines (random / L1 /
 PL_Alpha_Hill experts; Layer Rank / Global Layer Rank layers; PPL / KL metrics; LayerTrim / BlockTrim).
 

@@ -1,4 +1,4 @@
-"""MoE -> dense conversion (spec compression.md 2.1-2.8): per MoE layer select K experts by a score, group
+"""MoE -> dense conversion (docs/specs/compression.md 2.1-2.8): per MoE layer select K experts by a score, group
 them into k groups, merge each group by score-weighted averaging, scale the down projections and concatenate
 the k representatives (shared experts first, unscaled) into one dense FFN; write it into the vanilla HF
 architecture named by the family registry (``FamilySpec.dense_target``).

@@ -1,4 +1,4 @@
-"""The MoE -> dense paper's diagnostics from one calibration file (spec compression.md 2.3, 2.12 items 2-4).
+"""The MoE -> dense paper's diagnostics from one calibration file (docs/specs/compression.md 2.3, 2.12 items 2-4).
 
 - :func:`selection_overlap` (Fig. 2): |S_a ∩ S_b| / K between the K experts two scores select, averaged over MoE
   layers (``measure="jaccard"``: |S_a ∩ S_b| / |S_a ∪ S_b|).

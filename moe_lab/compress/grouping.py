@@ -1,4 +1,4 @@
-"""Top-K selection and grouping of the selected experts into k groups (spec compression.md 2.4-2.5).
+"""Top-K selection and grouping of the selected experts into k groups (docs/specs/compression.md 2.4-2.5).
 
 Pure functions on router rows, expert weights and the calibration Gram matrix. The selected experts come
 as a *ranked* list (best first: score order, or the D-optimal greedy order when asked for). Every grouping

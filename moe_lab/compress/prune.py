@@ -1,4 +1,4 @@
-"""Expert removal and fewer active experts (Expert Condenser's study, spec compression.md 4.1-4.2).
+"""Expert removal and fewer active experts (Expert Condenser's study, docs/specs/compression.md 4.1-4.2).
 
 ``prune_experts(model, calibration, keep=n', top_k=k', score=)`` keeps, in every MoE layer, the n' experts
 with the highest score (ties -> lower id; ``always_keep`` experts, e.g. a condenser run's condensers, first),

@@ -1,4 +1,4 @@
-"""Token-level distillation losses (spec compression.md 2.9), computed in fp32 and chunked over tokens.
+"""Token-level distillation losses (docs/specs/compression.md 2.9), computed in fp32 and chunked over tokens.
 
 ``kd_loss`` works on logits; ``chunked_head_kd`` takes the final hidden states of both models and applies
 each ``lm_head`` per chunk of tokens, computing that chunk's gradient at once, so full-vocabulary fp32 logits of

@@ -1,4 +1,4 @@
-"""The frozen teacher: loading, and widened routing (top-k' experts, spec compression.md 2.9 / A2-7)."""
+"""The frozen teacher: loading, and widened routing (top-k' experts, docs/specs/compression.md 2.9 / A2-7)."""
 
 from __future__ import annotations
 

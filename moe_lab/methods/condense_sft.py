@@ -1,4 +1,4 @@
-"""Lightweight SFT of a CD-MoE model (spec compression.md 3.8): only the retained experts of the condensed
+"""Lightweight SFT of a CD-MoE model (docs/specs/compression.md 3.8): only the retained experts of the condensed
 layers train (their packed slices + the shared expert; its Qwen2-MoE sigmoid gate too); routers, fixed
 gates, attention, embeddings, norms and every other layer stay frozen.
 

@@ -1,4 +1,4 @@
-"""One-process compression sweeps from one calibration file (spec compression.md 2.11-2.12, 4.2-4.4).
+"""One-process compression sweeps from one calibration file (docs/specs/compression.md 2.11-2.12, 4.2-4.4).
 
 :func:`dense_sweep` evaluates every score x grouping x scaling x K point on ONE loaded teacher: one dense
 student skeleton is built once and only its FFNs are rewritten per point (``DenseBuilder.write``); scores and

@@ -1,4 +1,4 @@
-"""The run behind task=condense (and the condense stage of task=cd_moe_sft): CD-MoE (spec compression.md 3)
+"""The run behind task=condense (and the condense stage of task=cd_moe_sft): CD-MoE (docs/specs/compression.md 3)
 from one calibration file: expert lists per layer (greedy JS / random / L1 / PL_Alpha_Hill), a layer order
 (greedy / Layer Rank / Global Layer Rank; JS / KL / PPL), the condensed model (or LayerTrim / BlockTrim),
 memory ratio, export (``load_condensed``) and optional lm-eval."""

@@ -27,7 +27,7 @@ def counts(name):
         return count_parameters(meta_model(real_config(name)))
 
 
-# compression.md 2.14 / 3.9 (exact integers from the public configs)
+# docs/specs/compression.md 2.14 / 3.9 (exact integers from the public configs)
 @pytest.mark.parametrize("name,total,active", [
     ("qwen3_moe", 30_532_122_624, 3_353_032_704),
     ("deepseek_v2_lite", 15_706_484_224, 2_661_150_208),
@@ -86,7 +86,7 @@ def big():
 
 @pytest.mark.slow
 def test_dense_student_sizes(big):
-    # compression.md 2.14: student = active - router (+ DeepSeek layer-0 padding)
+    # docs/specs/compression.md 2.14: student = active - router (+ DeepSeek layer-0 padding)
     assert big["qwen3_moe"]["dense_student"]["params_total"] == 3_340_449_792 == 3_353_032_704 - 48 * 128 * 2048
     ds = big["deepseek_v2_lite"]["dense_student"]
     assert ds["params_total"] == 2_659_708_416 == 2_661_150_208 - 26 * 64 * 2048 + 3 * 2048 * 320
@@ -256,7 +256,7 @@ def test_task_writes_its_outputs(tmp_path):
     assert Path(tmp_path / "estimate_memory.csv").is_file()
 
 
-# compression.md 3.9: CD-MoE / trimming memory ratios from parameter counts (tolerance: the paper's 0.2 pp)
+# docs/specs/compression.md 3.9: CD-MoE / trimming memory ratios from parameter counts (tolerance: the paper's 0.2 pp)
 def test_cd_moe_memory_ratios_qwen1_5():
     from moe_lab.analysis.estimate import condensed_parameters, moe_layer_parts
 

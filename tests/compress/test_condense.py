@@ -1,4 +1,4 @@
-"""CD-MoE (spec compression.md 3.10): fixed gates, condensed layer, JS, searches, export — against
+"""CD-MoE (docs/specs/compression.md 3.10): fixed gates, condensed layer, JS, searches, export — against
 independent computations."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KD loss oracles (spec compression.md 2.15 item 17): float64 references with log-softmax written out."""
+"""KD loss oracles (docs/specs/compression.md 2.15 item 17): float64 references with log-softmax written out."""
 
 from __future__ import annotations
 

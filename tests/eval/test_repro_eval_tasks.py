@@ -1,6 +1,6 @@
 """The papers' lm-eval benchmarks in the presets (eval.lm_eval) and task=evaluate's lm-eval columns.
 
-Oracle for the task names: finetuning.md section 3 written out below ([P3]: IFEval 0-shot loose, BBH 3-shot
+Oracle for the task names: docs/specs/finetuning.md section 3 written out below ([P3]: IFEval 0-shot loose, BBH 3-shot
 exact match, TruthfulQA MC2, HumanEval pass@1, GSM8K 0-shot chain of thought), checked against the installed
 lm-eval's own task YAMLs (read offline through its task index; nothing is downloaded).
 """
@@ -18,7 +18,7 @@ from moe_lab.eval import lm_eval_bridge
 from moe_lab.runs.evaluate import evaluate
 from tests.conftest import DATA_DIR, ROOT
 
-# [P3] column -> (lm-eval task, shots, result key); finetuning.md section 3
+# [P3] column -> (lm-eval task, shots, result key); docs/specs/finetuning.md section 3
 P3 = {
     "IFEval": ("ifeval", 0, "prompt_level_loose_acc"),
     "BBH": ("bbh_fewshot", 3, "exact_match"),
@@ -27,7 +27,7 @@ P3 = {
     "HumanEval pass@10": ("humaneval_pass10", 0, "pass@10,create_test"),  # moe-lab's task (lm_eval_tasks/)
     "GSM8K": ("gsm8k_cot_zeroshot", 0, "exact_match,flexible-extract"),
 }
-# [P1] (finetuning.md section 3 names the benchmarks, no shot counts): column -> lm-eval task per row
+# [P1] (docs/specs/finetuning.md section 3 names the benchmarks, no shot counts): column -> lm-eval task per row
 P1 = {
     "densemixer/gsm_olmoe": {"GSM": "gsm8k"},
     "densemixer/gsm_qwen1_5": {"GSM": "gsm8k"},
