@@ -66,9 +66,8 @@ class MoELightningModule(L.LightningModule):
         aux_loss_scope: str = "global",
     ):
         super().__init__()
-        self.model = model
-        self.method = method
-        self.patch = apply(model, method, lora=_plain(lora) or None, **(_plain(options) or {}))
+        self._init_training(model, method, apply(model, method, lora=_plain(lora) or None, **(_plain(options) or {})),
+                            optim, scheduler, master_weights)
         self.aux_loss_coef = self._resolve_aux_loss_coef(aux_loss_coef)
         self._moe_lab_adds_aux = not self.patch.set_aux_loss_coef(self.aux_loss_coef) and self.aux_loss_coef > 0
         if aux_loss_scope not in AUX_LOSS_SCOPES:
@@ -76,10 +75,6 @@ class MoELightningModule(L.LightningModule):
                              "data-parallel rank's tokens, as one process on the global batch) or per_rank (each "
                              "rank's own tokens, as HF's model computes it under DDP)")
         self.aux_loss_scope = aux_loss_scope
-        self.master_weights = check_mode(master_weights)
-        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
-        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
-                              **(_plain(scheduler) or {})}
         if gradient_checkpointing:
             model.activation_checkpointing_enable()
         self._init_guard()
@@ -91,6 +86,16 @@ class MoELightningModule(L.LightningModule):
             "gradient_checkpointing": gradient_checkpointing, "lora": _plain(lora),
             "master_weights": master_weights, "aux_loss_scope": aux_loss_scope,
         })
+
+    def _init_training(self, model: torch.nn.Module, method: str, patch, optim: dict | None, scheduler: dict | None,
+                       master_weights: str) -> None:
+        """What every module trains with, whatever its model: the model, its patch, the master-weights mode and the
+        optimizer and scheduler settings over their defaults (a dense KD student takes this without the blocks)."""
+        self.model, self.method, self.patch = model, method, patch
+        self.master_weights = check_mode(master_weights)
+        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
+        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
+                              **(_plain(scheduler) or {})}
 
     # ---- the non-finite guard (every method; method=kd feeds it its own window loss) -------------------------
     def _init_guard(self) -> None:

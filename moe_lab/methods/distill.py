@@ -22,7 +22,6 @@ import lightning as L
 import torch
 
 from ..core.plain import to_plain as _plain
-from ..core.precision import check_mode
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
 from ..distill.teacher import load_teacher, weight_rule_name, widen_teacher
@@ -198,12 +197,8 @@ class KDModule(MoELightningModule):
             if lora:
                 raise ValueError("method.lora with a dense student is not supported by method=kd")
             L.LightningModule.__init__(self)
-            self.model, self.method, self.patch = model, method, _DensePatch(model)
+            self._init_training(model, method, _DensePatch(model), optim, scheduler, master_weights)
             self.aux_loss_coef, self._moe_lab_adds_aux, self.aux_loss_scope = 0.0, False, "global"
-            self.master_weights = check_mode(master_weights)
-            self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
-            self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
-                                  **(_plain(scheduler) or {})}
             if gradient_checkpointing:
                 model.gradient_checkpointing_enable()
             self.save_hyperparameters({"name": name, "method": method, "options": dict(self.kd),
