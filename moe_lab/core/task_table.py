@@ -12,7 +12,9 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: the resume of a task whose row says ``resume=TASK_RESUME``: ``python run.py task.resume=<run dir>``
+#: the resume of a task whose row says ``resume=TASK_RESUME``: ``python run.py task.resume=<run dir>`` re-applies the
+#: run's overrides and runs in its directory, where the task continues what it finished (a checkpoint, finished
+#: points, predictions, stages)
 TASK_RESUME = "task.resume=<run dir>"
 #: what ``task.resume`` says of a task that keeps no partial work
 NO_RESUME = "it does not resume, run it again"
@@ -53,29 +55,24 @@ class Task:
         return getattr(importlib.import_module(module), function)
 
 
-_SAME_DIR = "run the same command again with hydra.run.dir=<run dir>"
-
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("finetune", "moe_lab.runs.training:finetune", trains=True, resume=TASK_RESUME),
-    Task("evaluate", "moe_lab.runs.evaluate:evaluate",
-         resume=f"{_SAME_DIR}: the sets continue from the predictions already written"),
+    Task("evaluate", "moe_lab.runs.evaluate:evaluate", resume=TASK_RESUME),  # the sets' predictions already written
     Task("condenser_two_phase", "moe_lab.tasks.condenser_two_phase:condenser_two_phase", trains=True,
          resume="task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/checkpoints/last.ckpt"),
-    Task("calibrate", "moe_lab.runs.calibrate:calibrate_task",
-         resume=f"{_SAME_DIR} (it continues <run dir>/calibration.partial.safetensors), or point "
-                "compress.calibration.resume_from at that file"),
-    Task("compress", "moe_lab.runs.compress:compress", manifest=RUN_EXPORT,
-         resume=f"{_SAME_DIR}: a grid or pruning study skips the points already in its points.csv / prune.csv"),
+    Task("calibrate", "moe_lab.runs.calibrate:calibrate_task", resume=TASK_RESUME),  # its calibration.partial
+    Task("compress", "moe_lab.runs.compress:compress", manifest=RUN_EXPORT, resume=TASK_RESUME),  # points.csv
     Task("estimate", "moe_lab.tasks.estimate:estimate_task"),
     Task("condense", "moe_lab.runs.condense:condense_task", manifest=RUN_EXPORT,
-         resume=f"{_SAME_DIR}: the search takes the steps already in its search_progress.csv"),
-    Task("cd_moe_sft", "moe_lab.tasks.cd_moe_sft:cd_moe_sft", trains=True, resume=TASK_RESUME),
+         resume=TASK_RESUME),  # search_progress.csv
+    Task("cd_moe_sft", "moe_lab.tasks.cd_moe_sft:cd_moe_sft", trains=True, resume=TASK_RESUME),  # done stages
     Task("correlation", "moe_lab.tasks.correlation:correlation_task", open_maps=("task.checkpoints",)),
     Task("activation_stats", "moe_lab.tasks.activation_stats:activation_stats_task", open_maps=("task.runs",)),
     Task("offload", "moe_lab.tasks.offload:offload_task", open_maps=("task.logs",)),
-    Task("moe_to_dense", "moe_lab.tasks.moe_to_dense:moe_to_dense", trains=True),
+    Task("moe_to_dense", "moe_lab.tasks.moe_to_dense:moe_to_dense", trains=True, resume=TASK_RESUME),  # done stages
     Task("teacher_logits", "moe_lab.tasks.teacher_logits:teacher_logits_task"),
-    Task("expert_removal", "moe_lab.tasks.expert_removal:expert_removal_task", manifest=POINT_EXPORTS),
+    Task("expert_removal", "moe_lab.tasks.expert_removal:expert_removal_task", manifest=POINT_EXPORTS,
+         resume=TASK_RESUME),  # the finished points' predictions
     Task("dense_diagnostics", "moe_lab.tasks.dense_diagnostics:dense_diagnostics_task"),
     Task("d2d_prune", "moe_lab.tasks.d2d_prune:d2d_prune_task", manifest=RUN_EXPORT, open_maps=("task.candidates",)),
 )}

@@ -151,7 +151,7 @@ def _study_settings(cfg: DictConfig, ppl_kw: dict, **extra) -> dict:
 
 def _resume_hint(out: Path, points_log: PointLog) -> str:
     return (f"{len(points_log.rows)} finished points are in {points_log.path}. Resume with: the same command and "
-            f"hydra.run.dir={out} (finished points are skipped)")
+            f"hydra.run.dir={out}, or python run.py task.resume={out} (finished points are skipped)")
 
 
 def _single(model, tokenizer, ids, ppl_kw, c, out: Path) -> dict:

@@ -89,8 +89,10 @@ class SearchLog:
         """After a search stage: on a signal, exit 128 + signum naming the finished steps and how to resume."""
         if not self.stop():
             return
-        how = (f"Resume with: the same command and hydra.run.dir={self.out}" if task == "condense" else
-               f"re-running the task={task} stage into {self.out} continues them")
+        how = (f"Resume with: the same command and hydra.run.dir={self.out}, or python run.py task.resume={self.out}"
+               if task == "condense" else
+               f"Resume with: python run.py task.resume={self.out.parent} (task={task}: its finished stages are reused, "
+               "this one continues)")
         self.stop.exit(f"{len(self.points.rows)} finished search steps are in {self.points.path}. {how} (finished "
                        "steps are taken, not recomputed)")
 

@@ -1,11 +1,23 @@
-"""The config of one stage of a multi-stage task (moe_to_dense, cd_moe_sft): the run's config, writing to the
-stage's own folder."""
+"""The stages of a multi-stage task (moe_to_dense, cd_moe_sft): each runs in its own folder of the run directory on
+a copy of the run's config, and leaves a done-marker holding its summary. ``task.resume=<run dir>`` reuses every
+stage that finished and continues the one that did not from what it wrote (a training stage from its
+``checkpoints/last.ckpt``)."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ..core.atomic import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+#: a finished stage's marker, in its folder: the stage's summary, written once the stage has returned
+STAGE_DONE = "stage_done.json"
 
 
 def stage_config(cfg: DictConfig, out: Path, **updates) -> DictConfig:
@@ -17,3 +29,33 @@ def stage_config(cfg: DictConfig, out: Path, **updates) -> DictConfig:
         for key, value in {"paths.output_dir": str(out), **updates}.items():
             OmegaConf.update(sub, key, value, merge=False)
     return sub
+
+
+def run_stage(cfg: DictConfig, name: str, run: Callable[[DictConfig], dict], **updates) -> dict:
+    """Stage ``name`` of ``cfg``'s run: ``run`` on :func:`stage_config` in ``<run dir>/<name>/`` with ``updates``,
+    its resolved config written there as ``config.yaml`` (as run.py writes one per run), and its summary returned.
+
+    When the run resumes (``task.resume``), a stage whose :data:`STAGE_DONE` marker exists is not run again: its
+    summary is read back, in one line. A stage that did not finish runs again in its folder and continues what it
+    wrote there (a partial calibration, finished search steps, a training stage's ``last.ckpt``, which its
+    ``task.resume`` points at). The marker is written atomically once ``run`` returns: a kill leaves none."""
+    folder = Path(cfg.paths.output_dir) / name
+    marker = folder / STAGE_DONE
+    resuming = bool(OmegaConf.select(cfg, "task.resume", default=None))
+    if resuming and marker.is_file():
+        log.info("stage %s: finished in an earlier segment of this run (%s), reused", name, marker)
+        return json.loads(marker.read_text())
+    checkpoint = folder / "checkpoints" / "last.ckpt"
+    stage = stage_config(cfg, folder, **{"task.resume": str(folder) if resuming and checkpoint.exists() else None,
+                                         **updates})
+    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(stage, resolve=True))
+    summary = run(stage)
+    atomic_write_json(marker, summary, indent=2, default=str)
+    return summary
+
+
+def stage_done(cfg: DictConfig, name: str) -> bool:
+    """Stage ``name`` of ``cfg``'s run finished in an earlier segment and the run resumes: :func:`run_stage` will
+    reuse it."""
+    return bool(OmegaConf.select(cfg, "task.resume", default=None)) and (
+        Path(cfg.paths.output_dir) / name / STAGE_DONE).is_file()

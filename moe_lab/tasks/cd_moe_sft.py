@@ -12,7 +12,6 @@ results table that ``python -m experiments.collect condense <run>`` compares wit
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from ..core.plain import to_plain
 from ..eval.lm_eval_table import results_table, task_source
 from ..runs.calibrate import calibrate_task
 from ..runs.condense import condense_task
-from ..runs.stage import stage_config
+from ..runs.stage import run_stage, stage_config
 from ..runs.training import finetune
 
 STAGE_KEYS = ("train/loss", "global_step", "resumed_from_step", "wall_time_s", "export")
@@ -76,26 +75,20 @@ def _condense(cfg: DictConfig, out: Path) -> tuple[str, dict]:
             raise ValueError("condense.gate_pass=untruncated takes the search documents whole: it needs "
                              "condense.search.sample=documents")
         whole = gate_pass == "untruncated"
-        calibration = calibrate_task(stage_config(cfg, out / "calibrate", **{
+        calibration = run_stage(cfg, "calibrate", calibrate_task, **{
             "compress.calibration.dataset": to_plain(s.dataset), "compress.calibration.num_sequences": s.num_sequences,
             "compress.calibration.seq_len": None if whole else s.seq_len, "compress.calibration.sample": s.sample,
             "compress.calibration.pool_blocks": s.pool_blocks, "compress.calibration.seed": s.seed,
-            "compress.calibration.batch_size": 1 if whole else s.batch_size}))["calibration"]
+            "compress.calibration.batch_size": 1 if whole else s.batch_size})["calibration"]
     tasks = list(c.eval.tasks) if cfg.cd_sft.eval_condensed else []
-    summary = condense_task(stage_config(cfg, out / "condense", **{
-        "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks,
-        "task.resume": None}))
+    summary = run_stage(cfg, "condense", condense_task, **{
+        "condense.calibration_file": str(calibration), "condense.export": "condensed", "condense.eval.tasks": tasks})
     return summary["export"], _condensed_summary(summary)
 
 
 def _condensed_summary(summary: dict) -> dict:
     return {k: summary.get(k) for k in ("layers", "experts", "memory_ratio", "params_after", "params_before",
                                         "export", "eval")}
-
-
-def _finished(stage: Path) -> bool:
-    """A stage directory whose run completed: its summary.json and a condensed export exist."""
-    return (stage / "summary.json").is_file() and (stage / "export" / "condense_manifest.json").is_file()
 
 
 def _evaluate(cfg: DictConfig, export: Path, label: str) -> dict:
@@ -131,20 +124,15 @@ def cd_moe_sft(cfg: DictConfig) -> dict:
     summary: dict = {"model": cfg.model.name, "method": label, "recipe": to_plain(cfg.cd_sft)}
     print(f"==== moe-lab cd_moe_sft: {recipe_line(cfg)}", flush=True)
     method = recipe_method(cfg)
-    resuming = bool(cfg.task.get("resume"))  # task.resume=<this run>: finished stages are reused, the SFT resumes
+    # task.resume=<this run>: finished stages are reused (run_stage), the SFT resumes from its last.ckpt
     if cfg.cd_sft.condensed:
         export = str(cfg.cd_sft.condensed)
-    elif resuming and _finished(out / "condense"):
-        export = str(out / "condense" / "export")
-        summary["condense"] = _condensed_summary(json.loads((out / "condense" / "summary.json").read_text()))
     else:
         export, summary["condense"] = _condense(cfg, out)
     lm = cfg.cd_sft.get("lm_stage")
-    if lm and resuming and _finished(out / "lm"):
-        export = str(out / "lm" / "export")
-    elif lm:
-        lm_run = finetune(stage_config(cfg, out / "lm", dataset=to_plain(lm.dataset), **{
-            **method, "method.options.condensed": export, "task.resume": None, "task.ckpt_path": None}))
+    if lm:
+        lm_run = run_stage(cfg, "lm", finetune, dataset=to_plain(lm.dataset), **{
+            **method, "method.options.condensed": export, "task.ckpt_path": None})
         summary["lm_stage"] = {k: lm_run.get(k) for k in STAGE_KEYS}
         export = lm_run["export"]
     updates = {**method, "method.options.condensed": export}

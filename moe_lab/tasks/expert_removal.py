@@ -138,7 +138,8 @@ def expert_removal_task(cfg: DictConfig) -> dict:
         for p in points:
             if stop():  # after the point in hand; each finished point's predictions are reused by a re-run
                 stop.exit(f"{len(rows)} of {len(points) + 1} points finished (their predictions are under "
-                          f"{out / 'points'}). Resume with: the same command and hydra.run.dir={out}")
+                          f"{out / 'points'}). Resume with: the same command and hydra.run.dir={out}, or python run.py "
+                          f"task.resume={out}")
             rows.append(_removal_point(cfg, p, model, cal, tokenizer, out / "points" / _name(p)))
     df = pd.DataFrame(rows)
 

@@ -6,7 +6,8 @@ export on), ``distill/`` (task=finetune with the exported student as ``model`` a
 ``method.teacher``). ``compress.init`` = random_ffn | random replaces the converted student by the paper's
 baselines before distillation. ``summary.json`` ``pre_distill``: the perplexity of the student distillation starts
 from (``student``: converted | random_ffn | random); for a baseline, ``pre_distill.converted`` holds the converted
-student's.
+student's. ``task.resume=<run dir>`` reuses the stages that finished and continues the one that did not (the
+distillation from ``distill/checkpoints/last.ckpt``; :func:`moe_lab.runs.stage.run_stage`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..compress.dense import export_compressed
-from ..core.atomic import atomic_write_json, atomic_write_text
+from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..runs.calibrate import calibrate_task
 from ..runs.compress import compress, student_ppl
-from ..runs.stage import stage_config
+from ..runs.stage import run_stage
 from ..runs.training import finetune
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,10 @@ def moe_to_dense(cfg: DictConfig) -> dict:
     summary: dict = {"model": cfg.model.name, "init": cfg.compress.init}
     calibration = cfg.compress.calibration_file
     if not calibration:
-        calibration = calibrate_task(stage_config(cfg, out / "calibrate"))["calibration"]
+        calibration = run_stage(cfg, "calibrate", calibrate_task)["calibration"]
     summary["calibration"] = str(calibration)
-    converted = compress(stage_config(cfg, out / "convert", **{"compress.calibration_file": str(calibration),
-                                                          "compress.export": True}))
+    converted = run_stage(cfg, "convert", compress, **{"compress.calibration_file": str(calibration),
+                                                       "compress.export": True})
     student_dir = Path(converted["export"])
     summary["pre_distill"] = {"student": "converted", "ppl": converted["ppl"], "status": converted["status"]}
     if "scaling_choice" in converted:  # compress.scaling=best_ppl: the Stage-2 choice and every candidate's ppl
@@ -105,10 +106,8 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                   "converted": summary["pre_distill"]}
     student_cfg = {**teacher_cfg, "name": f"{cfg.model.name}_dense", "pretrained": str(student_dir),
                    "config_class": None, "config": None}
-    distill_cfg = stage_config(cfg, out / "distill", model=student_cfg, **{"method.teacher": teacher_cfg})
-    # the stage's config.yaml, as run.py writes one per run: task=evaluate reads the method (kd: a dense export loads)
-    atomic_write_text(out / "distill" / "config.yaml", OmegaConf.to_yaml(distill_cfg, resolve=True))
-    distilled = finetune(distill_cfg)
+    # the stage's config.yaml (run_stage writes it): task=evaluate reads the method there (kd: a dense export loads)
+    distilled = run_stage(cfg, "distill", finetune, model=student_cfg, **{"method.teacher": teacher_cfg})
     summary["distill"] = {k: distilled.get(k) for k in ("global_step", "train/loss", "kd/kl", "kd/top1_agreement",
                                                          "wall_time_s", "export")}
     options = to_plain(cfg.method.get("options")) or {}

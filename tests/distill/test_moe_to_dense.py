@@ -61,6 +61,20 @@ def test_pipeline_runs_all_stages(tmp_path):
     model, _, labels = load_for_eval(eval_cfg(tmp_path / "eval", f"task.checkpoint={run / 'distill' / 'export'}"))
     assert labels == ("tiny_qwen3_moe_dense", "kd") and model.config.model_type == "qwen3"
 
+    # task.resume=<run dir>: the finished stages are reused (their files untouched), the stage without its
+    # done-marker (as a kill during distillation leaves it) continues from its last.ckpt
+    from moe_lab.runs.stage import STAGE_DONE
+
+    assert all((run / stage / STAGE_DONE).is_file() for stage in ("calibrate", "convert", "distill"))
+    (run / "distill" / STAGE_DONE).unlink()
+    kept = {f: f.stat().st_mtime_ns for f in (run / "calibrate" / "calibration.safetensors",
+                                              run / "convert" / "export" / "model.safetensors")}
+    resumed = run_task(_cfg(tmp_path, "method=kd", f"++task.resume={run}", "task.trainer.max_steps=3"))
+    assert {f: f.stat().st_mtime_ns for f in kept} == kept
+    assert resumed["distill"]["global_step"] == 3 and resumed["pre_distill"] == summary["pre_distill"]
+    assert (run / "distill" / STAGE_DONE).is_file()
+    assert json.loads((run / "distill" / "summary.json").read_text())["resumed_from_step"] == 2
+
 
 @pytest.mark.slow  # ~40 s: the whole pipeline with the hidden-state term
 def test_fkl_hidden_records_its_normalisation_and_weight(tmp_path):

@@ -286,12 +286,12 @@ def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_ke
 
 
 @pytest.mark.parametrize(("task", "says"), [
-    ("calibrate", "calibration.partial.safetensors"),
-    ("evaluate", "predictions already written"),
-    ("teacher_logits", "does not resume"),
+    ("teacher_logits", "it does not resume, run it again"),
+    ("estimate", "it does not resume, run it again"),
+    ("condenser_two_phase", "task.phase1.bias_file=<run dir>/phase1/condenser.json"),
 ])
 def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_path, task, says):
-    """Issue 21.25: before, Hydra's '+task.resume' hint (calibrate, evaluate) or silently ignored (teacher_logits)."""
+    """Issue 21.25: before, Hydra's '+task.resume' hint or silently ignored (teacher_logits)."""
     import run
 
     (tmp_path / ".hydra").mkdir()
@@ -300,6 +300,21 @@ def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_
     with pytest.raises(ValueError) as err:
         run.expand_argv(["run.py", f"task.resume={tmp_path}"])
     assert f"{tmp_path} is a task={task} run" in str(err.value) and says in str(err.value)
+
+
+@pytest.mark.parametrize("task", ["calibrate", "evaluate", "compress", "condense", "expert_removal", "moe_to_dense",
+                                  "cd_moe_sft"])
+def test_every_task_that_keeps_partial_work_resumes_with_task_resume(tmp_path, task):
+    """Issue 30: one way to continue any run, ``task.resume=<run dir>``: the run's overrides re-applied, in its
+    directory, where the task continues what it finished (its config need not declare task.resume: ``++``)."""
+    import run
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- task={task}\n- model=tiny_olmoe\n")
+    (tmp_path / "config.yaml").write_text(f"task:\n  name: {task}\n")
+    args = run.expand_argv(["run.py", f"task.resume={tmp_path}"])
+    assert args[1:4] == [f"task={task}", "model=tiny_olmoe", f"++task.resume={tmp_path}"]
+    assert f"hydra.run.dir={tmp_path}" in args
 
 
 def test_resume_under_multirun_is_refused(tmp_path):
