@@ -199,8 +199,7 @@ def expand_argv(argv: list[str]) -> list[str]:
                    if _key(o) not in dropped]
         here = [] if "hydra.run.dir" in given else [f"hydra.run.dir={run_dir}"]
         RESUME_NOTE = resume_note(run_dir, carried, [a for a in args if _key(a) != "task.resume"])
-        # ++: a task whose config declares no task.resume (it continues from its directory alone) records it too
-        args = [*carried, *(f"++{a}" if _key(a) == "task.resume" else a for a in args), *here]
+        args = [*carried, *args, *here]
     else:
         RESUME_NOTE = None
     pinned = next((a.split("=", 1)[1] for a in reversed(args) if _key(a) == "hydra.run.dir"), None)

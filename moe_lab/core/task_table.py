@@ -59,7 +59,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("finetune", "moe_lab.runs.training:finetune", trains=True, resume=TASK_RESUME),
     Task("evaluate", "moe_lab.runs.evaluate:evaluate", resume=TASK_RESUME),  # the sets' predictions already written
     Task("condenser_two_phase", "moe_lab.tasks.condenser_two_phase:condenser_two_phase", trains=True,
-         resume="task.phase1.bias_file=<run dir>/phase1/condenser.json task.ckpt_path=<run dir>/checkpoints/last.ckpt"),
+         resume=TASK_RESUME),  # done phases
     Task("calibrate", "moe_lab.runs.calibrate:calibrate_task", resume=TASK_RESUME),  # its calibration.partial
     Task("compress", "moe_lab.runs.compress:compress", manifest=RUN_EXPORT, resume=TASK_RESUME),  # points.csv
     Task("estimate", "moe_lab.tasks.estimate:estimate_task"),

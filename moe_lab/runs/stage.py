@@ -1,4 +1,4 @@
-"""The stages of a multi-stage task (moe_to_dense, cd_moe_sft): each runs in its own folder of the run directory on
+"""The stages of a multi-stage task (moe_to_dense, cd_moe_sft, condenser_two_phase): each runs in its own folder of the run directory on
 a copy of the run's config, and leaves a done-marker holding its summary. ``task.resume=<run dir>`` reuses every
 stage that finished and continues the one that did not from what it wrote (a training stage from its
 ``checkpoints/last.ckpt``)."""
@@ -10,13 +10,15 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..core.atomic import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-#: a finished stage's marker, in its folder: the stage's summary, written once the stage has returned
+#: a finished stage's marker, in its folder: the stage's summary and the folder it ran in, written once the stage has
+#: returned
 STAGE_DONE = "stage_done.json"
 
 
@@ -43,15 +45,30 @@ def run_stage(cfg: DictConfig, name: str, run: Callable[[DictConfig], dict], **u
     marker = folder / STAGE_DONE
     resuming = bool(OmegaConf.select(cfg, "task.resume", default=None))
     if resuming and marker.is_file():
+        done = json.loads(marker.read_text())
         log.info("stage %s: finished in an earlier segment of this run (%s), reused", name, marker)
-        return json.loads(marker.read_text())
+        return _moved(done["summary"], done["folder"], str(folder))
     checkpoint = folder / "checkpoints" / "last.ckpt"
     stage = stage_config(cfg, folder, **{"task.resume": str(folder) if resuming and checkpoint.exists() else None,
                                          **updates})
-    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(stage, resolve=True))
+    if rank_zero_only.rank == 0:  # a stage run under DDP: one writer
+        atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(stage, resolve=True))
     summary = run(stage)
-    atomic_write_json(marker, summary, indent=2, default=str)
+    if rank_zero_only.rank == 0:
+        atomic_write_json(marker, {"folder": str(folder), "summary": summary}, indent=2, default=str)
     return summary
+
+
+def _moved(value, old: str, new: str):
+    """``value`` (a stage summary) with the paths under the stage's folder ``old`` moved to ``new`` (a run directory
+    copied or moved since the stage ran resumes from its new place)."""
+    if isinstance(value, dict):
+        return {k: _moved(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, old, new) for v in value]
+    if isinstance(value, str) and old != new and (value == old or value.startswith(old + "/")):
+        return new + value[len(old):]
+    return value
 
 
 def stage_done(cfg: DictConfig, name: str) -> bool:

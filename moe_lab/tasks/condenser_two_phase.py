@@ -16,9 +16,10 @@ in the same two phases):
 
 Both phases use ``task.trainer``, ``task.optim``, ``task.scheduler`` and ``task.batch_size`` (per device; the
 rebuttal configs: 1 epoch, lr 1e-5, batch 4, cosine to 0.1 x lr, warm-up 0.1).
-Resume: ``task.phase1.bias_file=<run>/phase1/condenser.json`` skips phase 1 (with ``init=phase1`` the model is
-the ``export`` beside it) and ``task.ckpt_path`` resumes phase 2. ``<run>/summary.json`` holds both phases'
-summaries.
+Resume: ``task.resume=<run>`` reuses a finished phase 1 and continues the phase that did not finish from its
+``last.ckpt`` (:func:`moe_lab.runs.stage.run_stage`). ``task.phase1.bias_file=<a run>/phase1/condenser.json``
+skips phase 1 (with ``init=phase1`` the model is the ``export`` beside it) and ``task.ckpt_path`` resumes phase 2.
+``<run>/summary.json`` holds both phases' summaries.
 """
 
 from __future__ import annotations
@@ -28,30 +29,14 @@ import json
 from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from ..core.atomic import atomic_write_json, atomic_write_text
+from ..core.atomic import atomic_write_json
 from ..methods.condenser import STATE_FILE
+from ..runs.stage import run_stage
 from ..runs.training import finetune
 
 INITS = ("original", "phase1")
-
-
-def phase_config(cfg: DictConfig, out: Path, options: dict, trainer: dict | None = None,
-                 task: dict | None = None, model: dict | None = None) -> DictConfig:
-    """A copy of ``cfg`` for one phase: output in ``out``, method options / task settings overridden."""
-    phase = copy.deepcopy(cfg)
-    with open_dict(phase):
-        phase.paths.output_dir = str(out)
-        for key, value in options.items():
-            phase.method.options[key] = value
-        for key, value in (trainer or {}).items():
-            phase.task.trainer[key] = value
-        for key, value in (task or {}).items():
-            OmegaConf.update(phase.task, key, value, merge=False)
-        for key, value in (model or {}).items():
-            phase.model[key] = value
-    return phase
 
 
 def _check(cfg: DictConfig) -> None:
@@ -77,15 +62,6 @@ def _check(cfg: DictConfig) -> None:
                          "dataset.batch_size")
 
 
-def _run_phase(phase: DictConfig) -> dict:
-    """Write the phase's config.yaml (as run.py does for a run: task=evaluate reads it) and run finetune."""
-    out = Path(phase.paths.output_dir)
-    if rank_zero_only.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(phase, resolve=True))
-    return finetune(phase)
-
-
 def _finish_wandb() -> None:
     import wandb
 
@@ -105,20 +81,18 @@ def condenser_two_phase(cfg: DictConfig) -> dict:
     summary: dict = {}
     bias_file = p1.bias_file
     if bias_file is None:
-        first = phase_config(
-            cfg, out / "phase1",
-            options={"gamma": p1.gamma, "n": 0, "bias_file": None, "experts": None},
-            trainer={"max_steps": p1.max_steps if p1.max_steps is not None else cfg.task.trainer.max_steps},
-            task={"export": bool(p1.export) or p2.init == "phase1", "ckpt_path": None,
-                  "optim.lr": p1.lr if p1.lr is not None else cfg.task.optim.lr},
-        )
-        summary["phase1"] = _run_phase(first)
+        summary["phase1"] = run_stage(cfg, "phase1", finetune, **{
+            "method.options.gamma": p1.gamma, "method.options.n": 0, "method.options.bias_file": None,
+            "method.options.experts": None,
+            "task.trainer.max_steps": p1.max_steps if p1.max_steps is not None else cfg.task.trainer.max_steps,
+            "task.export": bool(p1.export) or p2.init == "phase1", "task.ckpt_path": None,
+            "task.optim.lr": p1.lr if p1.lr is not None else cfg.task.optim.lr})
         _finish_wandb()
         bias_file = out / "phase1" / STATE_FILE
-    model = {"pretrained": str(Path(bias_file).parent / "export")} if p2.init == "phase1" else None
-    second = phase_config(cfg, out / "phase2",
-                          options={"gamma": p2.gamma, "bias_file": str(bias_file), "experts": None}, model=model)
-    result = _run_phase(second)
+    model = {"model.pretrained": str(Path(bias_file).parent / "export")} if p2.init == "phase1" else {}
+    result = run_stage(cfg, "phase2", finetune, **{
+        "method.options.gamma": p2.gamma, "method.options.bias_file": str(bias_file), "method.options.experts": None,
+        **model})
     summary.update(result)
     summary["bias_file"] = str(bias_file)
     if rank_zero_only.rank == 0:

@@ -69,7 +69,7 @@ def test_pipeline_runs_all_stages(tmp_path):
     (run / "distill" / STAGE_DONE).unlink()
     kept = {f: f.stat().st_mtime_ns for f in (run / "calibrate" / "calibration.safetensors",
                                               run / "convert" / "export" / "model.safetensors")}
-    resumed = run_task(_cfg(tmp_path, "method=kd", f"++task.resume={run}", "task.trainer.max_steps=3"))
+    resumed = run_task(_cfg(tmp_path, "method=kd", f"task.resume={run}", "task.trainer.max_steps=3"))
     assert {f: f.stat().st_mtime_ns for f in kept} == kept
     assert resumed["distill"]["global_step"] == 3 and resumed["pre_distill"] == summary["pre_distill"]
     assert (run / "distill" / STAGE_DONE).is_file()

@@ -104,3 +104,21 @@ def test_two_phases_bias_file_condensers_and_starting_weights(tmp_path, init):
     run_task(_cfg(again, "task.optim.lr=0.0", f"task.phase1.bias_file={out / 'phase1' / 'condenser.json'}"))
     assert not (again / "phase1").exists()
     assert json.loads((again / "phase2" / "condenser.json").read_text())["layers"] == p2
+
+
+@pytest.mark.slow
+def test_task_resume_reuses_phase_1_and_continues_phase_2(tmp_path):
+    """task.resume=<run dir>: a finished phase 1 is reused (its bias file untouched) and phase 2, cut short (no
+    done-marker; a kill leaves none), continues from its own last.ckpt."""
+    from moe_lab.runs.stage import STAGE_DONE
+
+    out = tmp_path / "run"
+    run_task(_cfg(out, "task.checkpoint_every_n_steps=1"))
+    bias = out / "phase1" / "condenser.json"
+    written = bias.stat().st_mtime_ns
+    (out / "phase2" / STAGE_DONE).unlink()
+    summary = run_task(_cfg(out, "task.checkpoint_every_n_steps=1", f"task.resume={out}",
+                            "task.trainer.max_steps=4"))
+    assert bias.stat().st_mtime_ns == written and summary["phase1"]["global_step"] == 4
+    assert summary["global_step"] == 4 and summary["resumed_from_step"] == 3
+    assert json.loads((out / "phase2" / "condenser.json").read_text())["layers"]["0"]["updates"] == 4

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from moe_lab.runtime.checkpoint_io import CheckpointOnSignal, content_digests, marker_path, read_checkpoint
 from moe_lab.runtime.resume import resume_checkpoint
 from moe_lab.runtime.run_lock import LOCK_FILE, RunLock
+from tests.conftest import ROOT
 from tests.runtime.test_resume_extend import _run
 
 STEPS = ["task.trainer.max_steps=2", "task.checkpoint_every_n_steps=1"]
@@ -288,7 +289,7 @@ def test_a_second_ctrl_c_ends_as_an_interrupted_run_that_names_the_checkpoint_ke
 @pytest.mark.parametrize(("task", "says"), [
     ("teacher_logits", "it does not resume, run it again"),
     ("estimate", "it does not resume, run it again"),
-    ("condenser_two_phase", "task.phase1.bias_file=<run dir>/phase1/condenser.json"),
+    ("correlation", "it does not resume, run it again"),
 ])
 def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_path, task, says):
     """Issue 21.25: before, Hydra's '+task.resume' hint or silently ignored (teacher_logits)."""
@@ -303,18 +304,22 @@ def test_resume_of_a_run_of_another_kind_says_what_it_is_and_how_it_resumes(tmp_
 
 
 @pytest.mark.parametrize("task", ["calibrate", "evaluate", "compress", "condense", "expert_removal", "moe_to_dense",
-                                  "cd_moe_sft"])
+                                  "cd_moe_sft", "condenser_two_phase"])
 def test_every_task_that_keeps_partial_work_resumes_with_task_resume(tmp_path, task):
     """Issue 30: one way to continue any run, ``task.resume=<run dir>``: the run's overrides re-applied, in its
-    directory, where the task continues what it finished (its config need not declare task.resume: ``++``)."""
+    directory, where the task continues what it finished (its config declares task.resume)."""
     import run
 
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- task={task}\n- model=tiny_olmoe\n")
     (tmp_path / "config.yaml").write_text(f"task:\n  name: {task}\n")
     args = run.expand_argv(["run.py", f"task.resume={tmp_path}"])
-    assert args[1:4] == [f"task={task}", "model=tiny_olmoe", f"++task.resume={tmp_path}"]
+    assert args[1:4] == [f"task={task}", "model=tiny_olmoe", f"task.resume={tmp_path}"]
     assert f"hydra.run.dir={tmp_path}" in args
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        assert compose("config", overrides=args[1:4]).task.resume == str(tmp_path)
 
 
 def test_resume_under_multirun_is_refused(tmp_path):
