@@ -3,6 +3,7 @@ frozen-router SFT; later methods subclass it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -13,6 +14,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from ..core.plain import to_plain as _plain
 from ..core.precision import apply_master_weights, check_mode
+from ..core.settings import Optim, Schedule, read
 from ..data.packing import is_packed, model_inputs, real_token_mask, verify_packing
 from ..moe.aux_loss import AUX_LOSS_SCOPES, added_aux_loss, native_aux_loss_coef, switch_balance_loss
 from ..runtime.ep_optimizer import DenseShardedAdamW
@@ -90,12 +92,12 @@ class MoELightningModule(L.LightningModule):
     def _init_training(self, model: torch.nn.Module, method: str, patch, optim: dict | None, scheduler: dict | None,
                        master_weights: str) -> None:
         """What every module trains with, whatever its model: the model, its patch, the master-weights mode and the
-        optimizer and scheduler settings over their defaults (a dense KD student takes this without the blocks)."""
+        optimizer and scheduler settings (:mod:`moe_lab.core.settings`: over their defaults, each value checked; a
+        dense KD student takes this without the blocks)."""
         self.model, self.method, self.patch = model, method, patch
         self.master_weights = check_mode(master_weights)
-        self.optim = {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, **(_plain(optim) or {})}
-        self.scheduler_cfg = {"name": "constant", "warmup_steps": 0, "warmup_ratio": None, "min_lr_ratio": 0.0,
-                              **(_plain(scheduler) or {})}
+        self.optim = dataclasses.asdict(read(Optim, optim, "task.optim"))
+        self.scheduler_cfg = dataclasses.asdict(read(Schedule, scheduler, "task.scheduler"))
 
     # ---- the non-finite guard (every method; method=kd feeds it its own window loss) -------------------------
     def _init_guard(self) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "linear", "constant")
+from ..core.settings import SCHEDULES
+
+__all__ = ["SCHEDULES", "lr_multiplier", "warmup_steps_for"]
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int = 0, warmup_ratio: float | None = None) -> int:

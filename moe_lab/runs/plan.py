@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.atomic import atomic_write_json
+from ..core.settings import RunLength
 from ..core.task_table import tasks_where
 from ..methods.registry import METHODS
 from ..methods.schedules import lr_multiplier, warmup_steps_for
@@ -42,11 +43,11 @@ def optimizer_steps(rows: int, batch_size: int, accumulate: int, world: int, max
     micro-batches, an optimizer step every ``accumulate`` of them and at the end of an epoch; ``max_steps`` ends the
     run first when set (``-1``: ``max_epochs`` epochs)."""
     micro = math.ceil(math.ceil(rows / world) / batch_size)
-    per_epoch = math.ceil(micro / accumulate)
+    length = RunLength(max_steps=max_steps, max_epochs=max_epochs, accumulate_grad_batches=accumulate)
+    per_epoch = length.steps_per_epoch(micro)
     if per_epoch == 0:
         raise ValueError(f"{rows} training rows give no batch: the run would train nothing")
-    by_epochs = per_epoch * max_epochs if max_epochs > 0 else None
-    steps = by_epochs if max_steps < 1 else max_steps if by_epochs is None else min(by_epochs, max_steps)
+    steps = length.optimizer_steps(micro)
     return {"micro_batches_per_epoch": micro, "steps_per_epoch": per_epoch, "optimizer_steps": steps,
             "epochs": steps / per_epoch, "sequences_per_step": batch_size * accumulate * world}
 

@@ -4,7 +4,6 @@ with the config field and the fix, not minutes later deep inside Lightning or to
 from __future__ import annotations
 
 import logging
-import math
 import netrc
 import os
 import socket
@@ -12,67 +11,42 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.settings import Optim, RunLength, Schedule, number, read
+
 log = logging.getLogger(__name__)
 
-# field -> (kind, smallest allowed value, strictly greater?)
+# field -> (kind, smallest allowed value, strictly greater?); task.optim and task.scheduler: their settings classes
 FINETUNE_NUMBERS = {
     "task.trainer.log_every_n_steps": ("int", 1, False),
     "task.trainer.accumulate_grad_batches": ("int", 1, False),
     "task.checkpoint_every_n_steps": ("int", 1, False),
-    "task.optim.lr": ("float", 0.0, True),
-    "task.optim.weight_decay": ("float", 0.0, False),
-    "task.scheduler.warmup_steps": ("int", 0, False),
     "dataset.batch_size": ("int", 1, False),
     "dataset.max_length": ("int", 1, False),
 }
 
 
-def _number(field: str, value, kind: str):
-    example = {"int": "1000", "float": "3e-4"}[kind]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(  # noqa: TRY004 - a config value, reported like every other bad value
-            f"{field}={value!r} is not a number: write it out in digits, e.g. {field}={example}")
-    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"{field}={value!r} must be a whole number, e.g. {field}={example}")
-    if not math.isfinite(value):
-        raise ValueError(f"{field}={value!r} must be finite, e.g. {field}={example}")
-    return value
-
-
 def check_length(cfg: DictConfig) -> None:
     """The run ends: ``max_steps >= 1``, or ``max_steps=-1`` with ``max_epochs >= 1`` (an epoch-based run, as the
-    papers' presets are; its optimizer steps follow from the data: :func:`moe_lab.runs.plan.optimizer_steps`)."""
-    steps_field, epochs_field = "task.trainer.max_steps", "task.trainer.max_epochs"
-    steps = OmegaConf.select(cfg, steps_field, default=None)
-    epochs = OmegaConf.select(cfg, epochs_field, default=None)
-    steps = -1 if steps is None else _number(steps_field, steps, "int")
-    epochs = -1 if epochs is None else _number(epochs_field, epochs, "int")
-    if epochs == 0 or epochs < -1:
-        raise ValueError(f"{epochs_field}={epochs} must be >= 1, or -1 to end the run by {steps_field}")
-    if steps == 0:
-        raise ValueError(f"{steps_field}=0 must be >= 1, or -1 with {epochs_field} >= 1 (max_steps=0 trains "
-                         "nothing: to score a model without training use task=evaluate)")
-    if steps < -1:
-        raise ValueError(f"{steps_field}={steps} must be >= 1, or -1 with {epochs_field} >= 1")
-    if steps == -1 and epochs == -1:
-        raise ValueError(f"{steps_field}=-1 and {epochs_field}=-1: the run would never end. Set {steps_field} "
-                         f"(e.g. {steps_field}=1000) or {epochs_field} (e.g. {epochs_field}=2 {steps_field}=-1)")
+    papers' presets are; its optimizer steps follow from the data: :class:`moe_lab.core.settings.RunLength`)."""
+    RunLength.of(OmegaConf.select(cfg, "task.trainer", default=None))
 
 
 def check_numbers(cfg: DictConfig) -> None:
     """Every numeric training field has the right type and range (``max_steps=1k``, ``lr=-1``, ...)."""
     check_length(cfg)
+    read(Optim, OmegaConf.select(cfg, "task.optim", default=None), "task.optim")
+    read(Schedule, OmegaConf.select(cfg, "task.scheduler", default=None), "task.scheduler")
     for field, (kind, low, strict) in FINETUNE_NUMBERS.items():
         value = OmegaConf.select(cfg, field, default=None)
         if value is None:
             continue
-        value = _number(field, value, kind)
+        value = number(field, value, kind)
         if value < low or (strict and value == low):
             relation = f"> {low}" if strict else f">= {low}"
             raise ValueError(f"{field}={value} must be {relation}")
     interval = OmegaConf.select(cfg, "task.trainer.val_check_interval", default=None)
     if interval is not None:
-        interval = _number("task.trainer.val_check_interval", interval, "float")
+        interval = number("task.trainer.val_check_interval", interval, "float")
         if interval <= 0 or (isinstance(interval, float) and not interval.is_integer() and interval > 1):
             raise ValueError(f"task.trainer.val_check_interval={interval}: use a number of training batches (e.g. "
                              "250) or a fraction of an epoch in (0, 1]")

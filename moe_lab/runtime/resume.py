@@ -20,6 +20,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ..core.settings import RunLength
 from .after_validation import AfterValidation
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,6 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, str]:
     return None, ""
 
 
-def _limit(value) -> int | None:
-    """A Lightning ``max_steps`` / ``max_epochs`` value as a limit (None: no limit)."""
-    return None if value is None or int(value) < 0 else int(value)
-
-
 def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
     """Say what a resume will train before it trains nothing.
 
@@ -63,7 +59,8 @@ def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
     trainer = {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
                **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
     step = int(ckpt.get("global_step", 0))
-    max_steps, max_epochs = _limit(trainer.get("max_steps")), _limit(trainer.get("max_epochs"))
+    length = RunLength(max_steps=int(trainer.get("max_steps") or -1), max_epochs=int(trainer.get("max_epochs") or -1))
+    max_steps, max_epochs = length.step_limit, length.epoch_limit
     loop = ckpt.get("loops", {}).get("fit_loop", {})
     progress = loop.get("epoch_progress", {}).get("current", {})
     epochs = progress.get("processed", ckpt.get("epoch"))

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
+from ..core.settings import RunLength
 from ..data.tokenizer import load_tokenizer
 from ..distill.teacher import load_teacher
 from ..distill.teacher_logits import record_run, save_run
@@ -34,15 +35,15 @@ log = logging.getLogger(__name__)
 
 
 def num_batches(trainer_cfg, per_epoch: int | None) -> int:
-    """Micro-batches method=kd will read: max_steps x accumulate_grad_batches, else max_epochs x epoch length."""
-    steps, accumulate = int(trainer_cfg.get("max_steps", -1)), int(trainer_cfg.get("accumulate_grad_batches", 1))
-    if steps > 0:
-        return steps * accumulate
-    epochs = int(trainer_cfg.get("max_epochs", -1))
-    if epochs <= 0 or per_epoch is None:
+    """Micro-batches method=kd will read (:meth:`moe_lab.core.settings.RunLength.micro_batches`): max_steps x
+    accumulate_grad_batches, else max_epochs x epoch length."""
+    length = RunLength(max_steps=int(trainer_cfg.get("max_steps", -1)), max_epochs=int(trainer_cfg.get("max_epochs", -1)),
+                       accumulate_grad_batches=int(trainer_cfg.get("accumulate_grad_batches", 1)))
+    try:
+        return length.micro_batches(per_epoch)
+    except ValueError:
         raise ValueError("task=teacher_logits needs the length of the distillation run: set task.trainer.max_steps "
-                         "(or task.trainer.max_epochs with a dataset of known length)")
-    return epochs * per_epoch
+                         "(or task.trainer.max_epochs with a dataset of known length)") from None
 
 
 def limited(length: int | None, limit) -> int | None:
