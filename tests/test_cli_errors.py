@@ -62,7 +62,7 @@ def test_bad_value_ends_with_its_message_and_no_traceback(tmp_path):
     assert proc.returncode == 1
     assert lines[-1] == ("Error: task.trainer.max_steps='1k' is not a number: write it out in digits, "
                          "e.g. task.trainer.max_steps=1000"), proc.stderr
-    assert lines[-2].startswith("ValueError raised at moe_lab/runtime/preflight.py:")
+    assert lines[-2].startswith("ValueError raised at moe_lab/core/settings.py:")  # the run length's own check
     assert "Traceback" not in proc.stderr + proc.stdout
     log = (tmp_path / "run" / "run.log").read_text()
     assert "Traceback" in log and "is not a number" in log  # the traceback is kept in the run's log

@@ -20,7 +20,7 @@ def test_defaults_and_every_field_documented():
 
 
 @pytest.mark.parametrize(("cls", "prefix", "values", "message"), [
-    (Optim, "task.optim", {"lr": 0}, "task.optim.lr=0 must be > 0.0"),
+    (Optim, "task.optim", {"lr": -1e-3}, "task.optim.lr=-0.001 must be >= 0.0"),
     (Optim, "task.optim", {"lr": "3e-4"}, "task.optim.lr='3e-4' is not a number: write it out in digits"),
     (Optim, "task.optim", {"weight_decay": -0.1}, "task.optim.weight_decay=-0.1 must be >= 0.0"),
     (Optim, "task.optim", {"eps": float("inf")}, "task.optim.eps=inf must be finite"),

@@ -81,7 +81,8 @@ def defaults_doc(cls) -> dict[str, tuple[object, str]]:
 class Optim:
     """``task.optim``: AdamW's settings (a module built outside run.py trains with these defaults)."""
 
-    lr: float = setting(1e-4, "the peak learning rate", low=0.0, strict=True, kind="float")
+    lr: float = setting(1e-4, "the peak learning rate (0: the weights stay as loaded, e.g. a bias-only phase; "
+                        "task=finetune refuses it)", low=0.0, kind="float")
     weight_decay: float = setting(0.0, "decoupled weight decay (not on biases and norms)", low=0.0, kind="float")
     betas: list = field(default_factory=lambda: [0.9, 0.999], metadata=meta("Adam's (beta1, beta2)"))
     eps: float = setting(1e-8, "Adam's epsilon", low=0.0, strict=True, kind="float")

@@ -15,8 +15,10 @@ from ..core.settings import Optim, RunLength, Schedule, number, read
 
 log = logging.getLogger(__name__)
 
-# field -> (kind, smallest allowed value, strictly greater?); task.optim and task.scheduler: their settings classes
+# field -> (kind, smallest allowed value, strictly greater?) of a task=finetune run (a finetune that would not move its
+# weights, lr 0, is refused); task.optim and task.scheduler are also read by their settings classes
 FINETUNE_NUMBERS = {
+    "task.optim.lr": ("float", 0.0, True),
     "task.trainer.log_every_n_steps": ("int", 1, False),
     "task.trainer.accumulate_grad_batches": ("int", 1, False),
     "task.checkpoint_every_n_steps": ("int", 1, False),
@@ -34,8 +36,6 @@ def check_length(cfg: DictConfig) -> None:
 def check_numbers(cfg: DictConfig) -> None:
     """Every numeric training field has the right type and range (``max_steps=1k``, ``lr=-1``, ...)."""
     check_length(cfg)
-    read(Optim, OmegaConf.select(cfg, "task.optim", default=None), "task.optim")
-    read(Schedule, OmegaConf.select(cfg, "task.scheduler", default=None), "task.scheduler")
     for field, (kind, low, strict) in FINETUNE_NUMBERS.items():
         value = OmegaConf.select(cfg, field, default=None)
         if value is None:
@@ -44,6 +44,8 @@ def check_numbers(cfg: DictConfig) -> None:
         if value < low or (strict and value == low):
             relation = f"> {low}" if strict else f">= {low}"
             raise ValueError(f"{field}={value} must be {relation}")
+    read(Optim, OmegaConf.select(cfg, "task.optim", default=None), "task.optim")
+    read(Schedule, OmegaConf.select(cfg, "task.scheduler", default=None), "task.scheduler")
     interval = OmegaConf.select(cfg, "task.trainer.val_check_interval", default=None)
     if interval is not None:
         interval = number("task.trainer.val_check_interval", interval, "float")

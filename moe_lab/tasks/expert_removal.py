@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..analysis.meta_costs import count_parameters
 from ..analysis.removal import SCORE_LABELS, STRATEGY_LABELS, figure, fit, paper_table
@@ -26,6 +26,7 @@ from ..models import load_model
 from ..moe.patch import atomic_export
 from ..moe.view import find_moe_layers
 from ..runs.evaluate import evaluate
+from ..runs.stage import stage_config
 from ..runtime.stop_signal import StopOnSignal
 
 SCORES = ("es_act", "es_mag")
@@ -63,11 +64,10 @@ def _name(p: dict) -> str:
 
 
 def _evaluate_export(cfg: DictConfig, export: Path, out: Path, label: str) -> dict:
-    sub = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    sub.task.update({"checkpoint": str(export), "model_label": cfg.model.name, "method_label": label})
-    sub.paths.output_dir = str(out)
-    sub.logger = None
-    evaluate(sub)
+    """task=evaluate of one point's export in the point's folder (a stage config: :func:`~moe_lab.runs.stage.
+    stage_config`), no logger; the point's metrics."""
+    evaluate(stage_config(cfg, out, logger=None, **{"task.checkpoint": str(export), "task.model_label": cfg.model.name,
+                                                    "task.method_label": label}))
     return json.loads((out / "summary.json").read_text())["metrics"]
 
 
