@@ -77,18 +77,18 @@ def defaults_doc(cls) -> dict[str, tuple[object, str]]:
             for f in dataclasses.fields(cls)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Optim:
     """``task.optim``: AdamW's settings (a module built outside run.py trains with these defaults)."""
 
     lr: float = setting(1e-4, "the peak learning rate (0: the weights stay as loaded, e.g. a bias-only phase; "
                         "task=finetune refuses it)", low=0.0, kind="float")
     weight_decay: float = setting(0.0, "decoupled weight decay (not on biases and norms)", low=0.0, kind="float")
-    betas: list = field(default_factory=lambda: [0.9, 0.999], metadata=meta("Adam's (beta1, beta2)"))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=meta("Adam's (beta1, beta2)"))
     eps: float = setting(1e-8, "Adam's epsilon", low=0.0, strict=True, kind="float")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Schedule:
     """``task.scheduler``: linear warm-up from 0, then a cosine, linear or constant schedule (HF/TRL's)."""
 
@@ -162,3 +162,19 @@ class RunLength:
             raise ValueError(f"the run's length is unknown: set {STEPS} (or {EPOCHS} with a dataset of known "
                              "length)")
         return self.epoch_limit * micro_batches_per_epoch
+
+
+#: Hydra's ConfigStore group of the settings schemas: conf/task/finetune.yaml builds ``task.optim`` and
+#: ``task.scheduler`` on them, so a composed config holds every field, typed (a value of the wrong type or an unknown
+#: key is refused when the config is composed); :func:`read` checks the ranges
+SCHEMA_GROUP = "moe_lab_schema"
+
+
+def register_schemas() -> None:
+    """Store :class:`Optim` and :class:`Schedule` in Hydra's ConfigStore (``moe_lab_schema/optim``,
+    ``moe_lab_schema/scheduler``); ``import moe_lab`` calls it."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group=SCHEMA_GROUP, name="optim", node=Optim)
+    store.store(group=SCHEMA_GROUP, name="scheduler", node=Schedule)
