@@ -210,6 +210,10 @@ for _weights in ("<OLMoE-1B-7B-0924>", "..."):
 NOT_RUNNABLE.update({
     "python -m experiments.collect compressed_experts <dir>": "reads the latency bench's --out folder (a GPU run)",
     "python run.py -m experiment=<preset>": "a synopsis (each preset's own command runs)",
+    "python run.py task.resume=<run dir>": "a synopsis (tests/runtime/test_resume_guard.py and the resume tests of "
+                                           "every task run it)",
+    "python run.py task=<name> model=<model>": "a synopsis (tests/test_how_to_add.py runs it on a toy task)",
+    "python run.py method=<name>": "a synopsis (tests/test_how_to_add.py runs it on a toy method)",
     "python run.py experiment=<preset> +experiment/row=<row>": "a synopsis (each preset's own command runs)",
     "python bench/compress.py --sweep-only": "a benchmark (minutes of timing on purpose)",
     "python bench/methods.py --steps 8": "a benchmark (minutes of timing on purpose)",

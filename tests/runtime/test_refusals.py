@@ -25,7 +25,7 @@ REFUSED = {
                                   "hardware.trainer.precision=16-mixed", *CPU), "fp16's loss scaler may then skip"),
     "clip_by_value_on_fsdp": (("hardware=fsdp", "+task.trainer.gradient_clip_algorithm=value", *CPU),
                               "gradient_clip_algorithm=value under FSDP"),
-    "negative_lr": (("task.optim.lr=-1",), "task.optim.lr=-1 must be > 0.0"),
+    "negative_lr": (("task.optim.lr=-1",), "task.optim.lr=-1.0 must be > 0.0"),  # typed: a float
     "no_steps": (("task.trainer.max_steps=0",), "task.trainer.max_steps=0 must be >= 1"),
     "condenser_chosen_after_the_run": (("method=condenser", "method.options.n=1", "method.options.selection=in_run",
                                         "method.options.selection_updates=6"),
