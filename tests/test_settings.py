@@ -75,3 +75,8 @@ def test_a_run_that_would_not_end_or_not_start_is_refused(trainer, message):
         RunLength.of(trainer)
     assert RunLength.of({"max_steps": 5}).optimizer_steps(None) == 5
     assert RunLength.of({"max_steps": -1, "max_epochs": 2}).optimizer_steps(None) is None
+
+
+def test_given_reads_a_trainer_unchecked():
+    assert RunLength.given({"max_steps": None, "max_epochs": 3}) == RunLength(-1, 3, 1)
+    assert RunLength.given({"max_steps": 0}).step_limit is None and RunLength.given(None) == RunLength()

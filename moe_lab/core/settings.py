@@ -130,6 +130,15 @@ class RunLength:
                              f"(e.g. {STEPS}=1000) or {EPOCHS} (e.g. {EPOCHS}=2 {STEPS}=-1)")
         return cls(int(steps), int(epochs), int(t.get("accumulate_grad_batches") or 1))
 
+    @classmethod
+    def given(cls, trainer) -> RunLength:
+        """The length a ``task.trainer`` node (or a Lightning trainer's settings) asks for, unchecked (a missing or
+        null limit: none); :meth:`of` checks it as the preflight does."""
+        t = to_plain(trainer) or {}
+        return cls(int(t.get("max_steps") if t.get("max_steps") is not None else -1),
+                   int(t.get("max_epochs") if t.get("max_epochs") is not None else -1),
+                   int(t.get("accumulate_grad_batches") or 1))
+
     @property
     def step_limit(self) -> int | None:
         """``max_steps`` as a limit (None: none; :meth:`of` refuses 0)."""

@@ -59,7 +59,7 @@ def check_progress(ckpt: dict, cfg: DictConfig, field: str) -> None:
     trainer = {**OmegaConf.to_container(cfg.hardware.trainer, resolve=True),
                **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
     step = int(ckpt.get("global_step", 0))
-    length = RunLength(max_steps=int(trainer.get("max_steps") or -1), max_epochs=int(trainer.get("max_epochs") or -1))
+    length = RunLength.given(trainer)
     max_steps, max_epochs = length.step_limit, length.epoch_limit
     loop = ckpt.get("loops", {}).get("fit_loop", {})
     progress = loop.get("epoch_progress", {}).get("current", {})

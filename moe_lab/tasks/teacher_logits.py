@@ -37,10 +37,8 @@ log = logging.getLogger(__name__)
 def num_batches(trainer_cfg, per_epoch: int | None) -> int:
     """Micro-batches method=kd will read (:meth:`moe_lab.core.settings.RunLength.micro_batches`): max_steps x
     accumulate_grad_batches, else max_epochs x epoch length."""
-    length = RunLength(max_steps=int(trainer_cfg.get("max_steps", -1)), max_epochs=int(trainer_cfg.get("max_epochs", -1)),
-                       accumulate_grad_batches=int(trainer_cfg.get("accumulate_grad_batches", 1)))
     try:
-        return length.micro_batches(per_epoch)
+        return RunLength.given(trainer_cfg).micro_batches(per_epoch)
     except ValueError:
         raise ValueError("task=teacher_logits needs the length of the distillation run: set task.trainer.max_steps "
                          "(or task.trainer.max_epochs with a dataset of known length)") from None
