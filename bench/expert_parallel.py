@@ -18,11 +18,13 @@ import argparse
 import copy
 import socket
 import statistics
-import time
 
 import torch
 import transformers
-from sft_step import BENCH_CONFIG  # bench/ is on sys.path when run as `python bench/expert_parallel.py`
+from sft_step import (  # bench/ is on sys.path when run as `python bench/expert_parallel.py`
+    BENCH_CONFIG,
+    train_step,
+)
 
 import moe_lab
 from moe_lab.runtime import expert_parallel
@@ -51,20 +53,6 @@ def build(base, device: str, ep: bool):
     return model, DenseShardedAdamW([{"params": params}], state, lr=1e-4)
 
 
-def step(model, optimizer, batch, device: str) -> tuple[float, float]:
-    """(seconds, loss) of one optimizer step, synchronised on a GPU."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, loss.item()
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -84,7 +72,7 @@ def main(argv=None):
         for _ in range(args.steps + 1):  # the first step of each warms up and is not timed
             ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (args.batch, args.seq), generator=gen).to(device)
             for name, (model, optimizer) in runs.items():
-                seconds, loss = step(model, optimizer, {"input_ids": ids, "labels": ids}, device)
+                seconds, loss = train_step(model, optimizer, {"input_ids": ids, "labels": ids}, device)
                 times[name].append(seconds)
                 losses[name].append(loss)
         first_diff = abs(losses["plain"][0] - losses["ep"][0])  # same weights: the forward's float sums alone

@@ -71,12 +71,6 @@ def read(cls, node, prefix: str):
                   for name, f in fields.items() if name in values})
 
 
-def defaults_doc(cls) -> dict[str, tuple[object, str]]:
-    """``{field: (default, doc line)}`` of a settings dataclass."""
-    return {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default, f.metadata["doc"])
-            for f in dataclasses.fields(cls)}
-
-
 @dataclass
 class Optim:
     """``task.optim``: AdamW's settings (a module built outside run.py trains with these defaults)."""

@@ -19,6 +19,7 @@ from torch import nn
 from ..moe.block import MoEBlock
 from ..moe.experts_backend import check_name
 from ..moe.patch import MoEPatch
+from ..moe.support import refuse_undefined
 from ..moe.support import undefined_reason as _layer_undefined_reason
 
 #: what a method that does not say otherwise is, under ``hardware.ep_size > 1``
@@ -36,7 +37,8 @@ class MethodSpec:
     - ``expert_parallel``: its expert computation is the HF experts call, which EP dispatches (proven by the EP
       tests); False: refused under ``hardware.ep_size > 1``;
     - ``refused_strategies``: the memory estimate's strategies it cannot train under (left out of plan's options);
-    - ``cost_row(cfg)``: the row of :mod:`moe_lab.analysis.estimate` that prices a run of it (None: ``"sft"``);
+    - ``cost_row``: the row of :mod:`moe_lab.analysis.estimate` that prices a run of it, or ``cost_row(cfg)``
+      choosing it (None: ``"sft"``);
     - ``plan_lines(cfg, length)``: the lines ``plan=true`` prints for its own phases (``length``: the run's step
       counts, or None);
     - ``own_experts_pass``: its training pass computes the routed experts itself with grouped GEMMs (named here),
@@ -48,7 +50,7 @@ class MethodSpec:
     undefined_for: Callable | None = None
     expert_parallel: bool = False
     refused_strategies: tuple[str, ...] = ()
-    cost_row: Callable | None = None
+    cost_row: str | Callable | None = None
     plan_lines: Callable | None = None
     own_experts_pass: str | None = None
 
@@ -58,9 +60,8 @@ class MethodSpec:
 
     def refuse_undefined(self, spec, rule) -> None:
         """Raise a ValueError naming the method, the family and the reason when it is undefined for it."""
-        reason = self.undefined_reason(spec, rule)
-        if reason is not None:
-            raise ValueError(f"{self.name} is not defined for {spec.model_type}: {reason}")
+        if self.undefined_for is not None:
+            refuse_undefined(self.name, spec, rule, self.undefined_for)
 
 
 #: method name -> its registration; each method module registers its own (:func:`register_method`) and
@@ -70,12 +71,13 @@ METHODS: dict[str, MethodSpec] = {}
 ADAPTERS: dict[str, Callable] = {}
 
 
-def _register(table: dict, key: str, what: str) -> Callable[[Callable], Callable]:
+def _register(table: dict, key: str, what: str, entry: Callable = lambda fn: fn) -> Callable[[Callable], Callable]:
+    """A decorator storing ``entry(fn)`` as ``table[key]``; a second, other function under ``key`` is refused."""
     def register(fn: Callable) -> Callable:
-        if key in table and table[key] is not fn:
-            raise ValueError(f"{what} {key!r} is registered twice: {table[key].__module__} and "
-                             f"{fn.__module__}")
-        table[key] = fn
+        known = getattr(table.get(key), "install", table.get(key))  # a MethodSpec's function, or the function
+        if known is not None and known is not fn:
+            raise ValueError(f"{what} {key!r} is registered twice: {known.__module__} and {fn.__module__}")
+        table[key] = entry(fn)
         return fn
 
     return register
@@ -84,14 +86,13 @@ def _register(table: dict, key: str, what: str) -> Callable[[Callable], Callable
 def register_method(name: str, **facts) -> Callable[[Callable], Callable]:
     """``@register_method("sft", **facts)`` on an installer: ``apply(model, "sft", **options)`` calls it; ``facts``
     are the other fields of its :class:`MethodSpec`."""
-    def register(install: Callable) -> Callable:
-        known = METHODS.get(name)
-        if known is not None and known.install is not install:
-            raise ValueError(f"method {name!r} is registered twice: {known.install.__module__} and {install.__module__}")
-        METHODS[name] = MethodSpec(name, install, **facts)
-        return install
+    return _register(METHODS, name, "method", lambda install: MethodSpec(name, install, **facts))
 
-    return register
+
+def method_of(cfg) -> MethodSpec | None:
+    """The registration of a run config's installer (``cfg.method.method``, else ``cfg.method.name``); None for a
+    method without one (kd, condense_sft)."""
+    return METHODS.get(str(cfg.method.get("method") or cfg.method.get("name")))
 
 
 def method_spec(name: str) -> MethodSpec:

@@ -67,14 +67,18 @@ UNDEFINED: dict[str, Callable[[FamilySpec, RoutingRule], str | None]] = {
 }
 
 
-def undefined_reason(method: str, spec: FamilySpec, rule: RoutingRule) -> str | None:
-    """Why ``method`` is not defined for the family of ``spec`` (with routing ``rule``); None when it is."""
-    check = UNDEFINED.get(method)
+Check = Callable[[FamilySpec, RoutingRule], str | None]
+
+
+def undefined_reason(method: str, spec: FamilySpec, rule: RoutingRule, check: Check | None = None) -> str | None:
+    """Why ``method`` is not defined for the family of ``spec`` (with routing ``rule``); None when it is.
+    ``check``: the method's own rule (a method's registration), else :data:`UNDEFINED`'s."""
+    check = check or UNDEFINED.get(method)
     return None if check is None else check(spec, rule)
 
 
-def refuse_undefined(method: str, spec: FamilySpec, rule: RoutingRule) -> None:
+def refuse_undefined(method: str, spec: FamilySpec, rule: RoutingRule, check: Check | None = None) -> None:
     """Raise a ValueError naming ``method``, the family and the reason when the method is undefined for it."""
-    reason = undefined_reason(method, spec, rule)
+    reason = undefined_reason(method, spec, rule, check)
     if reason is not None:
         raise ValueError(f"{method} is not defined for {spec.model_type}: {reason}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..compress.calibration import calibrate
 from ..core.atomic import atomic_write_json
@@ -147,6 +147,9 @@ def calibrate_task(cfg: DictConfig) -> dict:
     resume = c.resume_from or _readable_partial(partial)
     if resume is not None:
         log.info("resuming calibration from %s", resume)
+    elif OmegaConf.select(cfg, "task.resume", default=None) and (out / "summary.json").is_file():
+        log.warning("task.resume: this run's calibration finished (%s) and left no partial file: it is computed "
+                    "again from the first batch", out / "summary.json")
     start = time.time()
 
     def progress(done: int, tokens: int) -> None:

@@ -9,7 +9,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..methods.registry import METHODS
+from ..methods.registry import method_of
 from ..runtime.expert_parallel import ep_dense, ep_size
 from ..runtime.strategies import config_strategy_kind
 
@@ -37,10 +37,6 @@ def estimate_strategy(trainer_cfg) -> str:
     return {"deepspeed_zero2": "zero2", "fsdp": "fsdp"}.get(kind, "ddp")
 
 
-def _installer(cfg: DictConfig):
-    return METHODS.get(str(cfg.method.get("method") or cfg.method.get("name")))
-
-
 def estimate_method(cfg: DictConfig) -> str:
     """The estimate's method row for ``cfg.method``: LoRA's, KD's, or its installer's ``cost_row`` (``sft``
     where it names none)."""
@@ -48,7 +44,7 @@ def estimate_method(cfg: DictConfig) -> str:
         return "lora"
     if cfg.method.get("name") == "kd":  # teacher (frozen) + student
         return "kd"
-    row = getattr(_installer(cfg), "cost_row", None)
+    row = getattr(method_of(cfg), "cost_row", None)
     return row(cfg) if callable(row) else row or "sft"
 
 
@@ -56,7 +52,7 @@ def refused_strategies(cfg: DictConfig, row: str) -> tuple[str, ...]:
     """The estimate strategies ``cfg``'s method (estimate ``row``) is refused under."""
     if row in REFUSED:
         return REFUSED[row]
-    spec = _installer(cfg)
+    spec = method_of(cfg)
     return () if spec is None else spec.refused_strategies + (() if spec.expert_parallel else ("ep", "ep_ddp"))
 
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..core.atomic import atomic_write_json
 from ..core.settings import RunLength
 from ..core.task_table import tasks_where
-from ..methods.registry import METHODS
+from ..methods.registry import method_of
 from ..methods.schedules import lr_multiplier, warmup_steps_for
 from .memory_fit import (
     ASSUMED_GPU_GB,
@@ -105,7 +105,7 @@ def data_plan(dataset_cfg, tokenizer) -> dict:
 def method_phases(cfg: DictConfig, length: dict | None) -> list[str]:
     """When the method's (and the task's) own phases happen."""
     out = []
-    method = METHODS.get(str(cfg.method.get("method") or cfg.method.get("name")))
+    method = method_of(cfg)
     if method is not None and method.plan_lines is not None:
         out += method.plan_lines(cfg, length)
     task = cfg.task.name

@@ -69,10 +69,3 @@ def _moved(value, old: str, new: str):
     if isinstance(value, str) and old != new and (value == old or value.startswith(old + "/")):
         return new + value[len(old):]
     return value
-
-
-def stage_done(cfg: DictConfig, name: str) -> bool:
-    """Stage ``name`` of ``cfg``'s run finished in an earlier segment and the run resumes: :func:`run_stage` will
-    reuse it."""
-    return bool(OmegaConf.select(cfg, "task.resume", default=None)) and (
-        Path(cfg.paths.output_dir) / name / STAGE_DONE).is_file()

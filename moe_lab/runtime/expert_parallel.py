@@ -35,7 +35,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-
 def ep_size(cfg) -> int:
     """``hardware.ep_size`` of a run config (1 where the hardware config has none)."""
     return int(OmegaConf.select(cfg, "hardware.ep_size", default=1) or 1)

@@ -62,3 +62,16 @@ def test_a_partial_of_another_model_says_whose_it_is_and_the_fix(tmp_path):
     msg = str(err.value)
     assert f"the partial calibration {partial} (it belongs to model tiny_gpt_oss) is for" in msg
     assert f"continue it with model=tiny_gpt_oss, or delete {partial}" in msg and "task=calibrate" not in msg
+
+
+def test_task_resume_of_a_finished_calibration_says_it_calibrates_again(tmp_path, caplog):
+    """task.resume of a calibrate run that finished (no partial file left) computes it again, saying so in one line."""
+    from moe_lab.tasks import run_task
+
+    run = tmp_path / "run"
+    run_task(_compose(run, *_args(tmp_path)))
+    with caplog.at_level(logging.WARNING, logger="moe_lab.runs.calibrate"):
+        run_task(_compose(run, *_args(tmp_path), f"task.resume={run}"))
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runs.calibrate"]
+    assert line == (f"task.resume: this run's calibration finished ({run / 'summary.json'}) and left no partial file: "
+                    "it is computed again from the first batch")
