@@ -75,3 +75,20 @@ def test_task_resume_of_a_finished_calibration_says_it_calibrates_again(tmp_path
     [line] = [r.getMessage() for r in caplog.records if r.name == "moe_lab.runs.calibrate"]
     assert line == (f"task.resume: this run's calibration finished ({run / 'summary.json'}) and left no partial file: "
                     "it is computed again from the first batch")
+
+
+@pytest.mark.slow
+def test_run_py_task_resume_continues_a_calibrate_run_in_its_directory(tmp_path):
+    """``python run.py task.resume=<run dir>`` on a task=calibrate run, as a user types it: the run's own overrides are
+    re-applied in its directory (no other), and the finished calibration is said to be computed again."""
+    from tests.test_run import run_py
+
+    run = tmp_path / "run"
+    run_py("task=calibrate", *_args(tmp_path), f"hydra.run.dir={run}", cwd=tmp_path)
+    first = Calibration.load(run / "calibration.safetensors")
+    proc = run_py(f"task.resume={run}", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert f"Output directory: {run}" in out and "task.resume: the run's settings are conf/ with the overrides" in out
+    assert "this run's calibration finished" in out
+    again = Calibration.load(run / "calibration.safetensors")
+    assert again.manifest == first.manifest and sorted(p.name for p in tmp_path.iterdir()) == ["run", "wiki.train.txt"]
