@@ -48,6 +48,9 @@ def run_stage(cfg: DictConfig, name: str, run: Callable[[DictConfig], dict], **u
         done = json.loads(marker.read_text())
         log.info("stage %s: finished in an earlier segment of this run (%s), reused", name, marker)
         return _moved(done["summary"], done["folder"], str(folder))
+    if resuming and folder.is_dir() and any(folder.iterdir()):
+        log.info("stage %s: not finished in an earlier segment (no %s): it runs again in %s, continuing what it wrote "
+                 "there", name, STAGE_DONE, folder)
     checkpoint = folder / "checkpoints" / "last.ckpt"
     stage = stage_config(cfg, folder, **{"task.resume": str(folder) if resuming and checkpoint.exists() else None,
                                          **updates})

@@ -42,7 +42,9 @@ def test_a_stage_runs_once_and_a_resume_reuses_it(tmp_path):
     assert moved == {"export": str(copy / "convert" / "export"), "ppl": 3.5} and len(calls) == 2
 
 
-def test_a_stage_that_raised_leaves_no_marker_and_resumes_from_its_checkpoint(tmp_path):
+def test_a_stage_that_raised_leaves_no_marker_and_resumes_from_its_checkpoint(tmp_path, caplog):
+    import logging
+
     seen = []
 
     def failing(cfg):
@@ -53,7 +55,11 @@ def test_a_stage_that_raised_leaves_no_marker_and_resumes_from_its_checkpoint(tm
     with pytest.raises(RuntimeError):
         run_stage(_cfg(tmp_path / "run"), "train", failing)
     assert not (tmp_path / "run" / "train" / STAGE_DONE).exists()
-    run_stage(_cfg(tmp_path / "run", resume=str(tmp_path / "run")), "train", lambda cfg: seen.append(cfg) or {})
+    with caplog.at_level(logging.INFO, logger="moe_lab.runs.stage"):
+        run_stage(_cfg(tmp_path / "run", resume=str(tmp_path / "run")), "train", lambda cfg: seen.append(cfg) or {})
     assert seen[0].task.resume == str(tmp_path / "run" / "train")  # the stage continues its own last.ckpt
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"stage train: not finished in an earlier segment (no {STAGE_DONE}): it runs again in "
+        f"{tmp_path / 'run' / 'train'}, continuing what it wrote there")]
     run_stage(_cfg(tmp_path / "other"), "train", lambda cfg: seen.append(cfg) or {})
     assert seen[1].task.resume is None
