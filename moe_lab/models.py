@@ -20,38 +20,34 @@ def _as_dict(value) -> dict:
     return {} if value is None else dict(to_plain(value))
 
 
-def build_config(config_class: str, overrides: Mapping, method: str | None = None):
+def build_config(config_class: str, overrides: Mapping, method: str | None = None, dense: bool = False):
     """An HF config from its class name (e.g. ``OlmoeConfig``) and field overrides, validated
-    (:func:`check_model_type`)."""
+    (:func:`check_model_type`: ``dense`` accepts a dense causal LM)."""
     cls = getattr(transformers, config_class, None)
     if cls is None:
         raise ValueError(f"model.config_class={config_class!r} is not a transformers config class")
     config = cls(**_as_dict(overrides))
-    check_model_type(config, method, f"model.config_class={config_class}")
+    check_model_type(config, method, f"model.config_class={config_class}", dense)
     return config
 
-#: Hydra method names (conf/method/<name>.yaml) that train any causal LM, dense or MoE: :func:`load_model` loads a
-#: dense model (a model_type outside moe/registry.py's families, e.g. a to_dense export) only for these
-DENSE_METHODS: tuple[str, ...] = ("kd",)
 
-
-def check_model_type(config, method: str | None = None, source: str = "model") -> None:
+def check_model_type(config, method: str | None = None, source: str = "model", dense: bool = False) -> None:
     """An MoE family of moe/registry.py is validated (:func:`validate_config`); any other model type is a dense
-    causal LM, accepted only for a method that trains dense models (:data:`DENSE_METHODS`).
-    ``method``: the Hydra method name the model is loaded for (None: MoE families only); ``source``: where the
-    config came from, for the error."""
+    causal LM, accepted only when ``dense`` (the caller trains or reads any causal LM: a method whose LightningModule
+    sets ``trains_dense_models``, a KD teacher). ``method``: the Hydra method name the model is loaded for (None: no
+    method), for the error; ``source``: where the config came from, for the error."""
     if config.model_type in supported_families():
         validate_config(config)
         return
-    if method in DENSE_METHODS:
+    if dense:
         return
     families = ", ".join(supported_families())
-    dense = ", ".join(f"method={m}" for m in DENSE_METHODS)
+    dense_ones = "a method whose LightningModule sets trains_dense_models (e.g. method=kd, distillation)"
     if method is None:
         raise ValueError(f"{source}: unsupported model_type {config.model_type!r}: moe-lab supports {families}; "
-                         f"a dense causal LM loads only for a method that trains dense models ({dense})")
+                         f"a dense causal LM loads only for {dense_ones}")
     raise ValueError(f"method={method} trains MoE models, but {source} is a dense {config.model_type!r} model "
-                     f"(moe-lab's MoE families: {families}); methods that accept dense models: {dense}")
+                     f"(moe-lab's MoE families: {families}); a dense model trains only under {dense_ones}")
 
 
 def validate_config(config) -> None:
@@ -63,14 +59,14 @@ def validate_config(config) -> None:
         raise ValueError(f"model.config ({config.model_type}): {err}") from None
 
 
-def load_model(model_cfg, tokenizer=None, method: str | None = None):
+def load_model(model_cfg, tokenizer=None, method: str | None = None, dense: bool = False):
     """``(model, tokenizer)`` from a ``conf/model`` entry.
 
     ``pretrained`` (hub id or local path) loads real weights; otherwise ``config_class`` + ``config``
     builds a randomly initialised model seeded by ``seed``. ``experts_implementation`` picks transformers' experts
-    kernel (:mod:`moe_lab.moe.experts_backend`; null keeps transformers' default). ``method`` (the Hydra method name the model is
-    loaded for) decides whether a dense causal LM is accepted besides the MoE families
-    (:func:`check_model_type`).
+    kernel (:mod:`moe_lab.moe.experts_backend`; null keeps transformers' default). ``dense``: a dense causal LM is
+    accepted besides the MoE families; ``method``: the Hydra method name the model is loaded for, named in the
+    refusal (:func:`check_model_type`).
     """
     from .data.tokenizer import load_tokenizer
 
@@ -107,13 +103,13 @@ def load_model(model_cfg, tokenizer=None, method: str | None = None):
                 "add model.config_class=null model.config=null to load the checkpoint as saved")
         for key, value in overrides.items():
             setattr(config, key, value)
-        check_model_type(config, method, f"model.pretrained={pretrained}")
+        check_model_type(config, method, f"model.pretrained={pretrained}", dense)
         model = AutoModelForCausalLM.from_pretrained(pretrained, config=config, dtype=dtype)
         tokenizer = tokenizer or load_tokenizer(cfg.get("tokenizer") or pretrained)
     else:
         if not cfg.get("config_class"):
             raise ValueError("model: set either model.pretrained (hub id or path) or model.config_class")
-        config = build_config(cfg["config_class"], cfg.get("config"), method)
+        config = build_config(cfg["config_class"], cfg.get("config"), method, dense)
         tokenizer = tokenizer or load_tokenizer(cfg.get("tokenizer") or "byte")
         if len(tokenizer) > config.vocab_size:
             raise ValueError(

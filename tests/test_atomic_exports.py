@@ -61,7 +61,9 @@ def _config(run, **cfg) -> None:
 def test_condense_sft_export_without_its_manifest_is_refused(tmp_path):
     run = tmp_path / "run"
     export = export_condensed(_condensed(), run / "export")
-    _config(run, task={"name": "finetune"}, method={"name": "condense_sft"}, model={"name": "tiny_olmoe"})
+    _config(run, task={"name": "finetune"}, method={"name": "condense_sft",
+                                                                "_target_": "moe_lab.methods.condense_sft.CondenseSFTModule"},
+            model={"name": "tiny_olmoe"})
     (export / CONDENSE_FILE).unlink()
     with pytest.raises(FileNotFoundError, match=r"model.pretrained=\S+export: an incomplete export of task=finetune "
                                                 r"method=condense_sft .*lacks compress_manifest.json \(or "

@@ -311,7 +311,7 @@ from moe_lab.models import load_model
 run = sys.argv[1]
 cfg = OmegaConf.load(f"{run}/config.yaml")
 deepspeed.init_distributed(dist_backend="gloo")
-model, _ = load_model(cfg.model, method=cfg.method.name)
+model, _ = load_model(cfg.model, method=cfg.method.name, dense=True)  # the dense KD student
 module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler, _recursive_=False)
 opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
 engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config={"train_micro_batch_size_per_gpu": 1,

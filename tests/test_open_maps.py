@@ -98,7 +98,7 @@ def test_teacher_by_conf_model_name_is_that_entry():
 
     assert teacher_spec("tiny_qwen3_moe") == OmegaConf.to_container(tiny_model_cfg("qwen3_moe"))
     teacher = load_teacher("tiny_qwen3_moe")
-    reference, _ = load_model(tiny_model_cfg("qwen3_moe"), method="kd")
+    reference, _ = load_model(tiny_model_cfg("qwen3_moe"), dense=True)
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     ids = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

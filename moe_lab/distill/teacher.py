@@ -72,7 +72,7 @@ def load_teacher(teacher) -> nn.Module:
         if isinstance(spec, (str, Path)):
             named, spec = str(spec), teacher_spec(spec)
         try:
-            model, _ = load_model(spec, method="kd")
+            model, _ = load_model(spec, dense=True)
         except OSError as err:
             if named is None:
                 raise

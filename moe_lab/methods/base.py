@@ -51,7 +51,19 @@ class MoELightningModule(L.LightningModule):
     it is mapped onto the family's aux-loss field when HF adds the loss itself, otherwise the registry's loss
     (DeepSeek: the sequence-wise balance loss) is added here, once. ``master_weights``: see
     :mod:`moe_lab.core.precision` (trainable bf16/fp16 parameters become fp32 at fit start by default).
+
+    A subclass states what a run must know of it before it is built (read off the class its config's ``_target_``
+    names: :func:`module_class`), so a method's facts live in its own module.
     """
+
+    #: it trains any causal LM, dense or MoE (the run's model may be a dense student: :func:`moe_lab.models.load_model`)
+    trains_dense_models: bool = False
+    #: why it cannot run under ``hardware.ep_size > 1`` whatever its installer (None: its installer's registration
+    #: decides; :mod:`.ep_support`)
+    expert_parallel_refusal: str | None = None
+    #: the manifest its training export always carries (None: a plain save_pretrained export); an export of such a
+    #: run without it is refused as incomplete (:mod:`moe_lab.core.export_check`)
+    export_manifest: str | None = None
 
     def __init__(
         self,

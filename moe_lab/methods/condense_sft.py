@@ -40,6 +40,8 @@ LOSS_TOKENS = ("response", "all")
 class CondenseSFTModule(MoELightningModule):
     """:class:`MoELightningModule` on the condensed model of ``options.condensed``, condensed experts only."""
 
+    export_manifest = CONDENSE_FILE  # the condensed format (``_rewrite_export``): its weights need the manifest
+
     def __init__(self, model: torch.nn.Module, options: dict | None = None, **kwargs):
         options = dict(options or {})
         path = options.pop("condensed", None)

@@ -172,6 +172,9 @@ class KDModule(MoELightningModule):
     is refused).
     """
 
+    trains_dense_models = True  # the student: the run's model, dense (an MoE -> dense conversion) or MoE
+    expert_parallel_refusal = "the teacher and the dense student are not expert parallel"
+
     def __init__(self, model, teacher=None, options: dict | None = None, optim: dict | None = None,
                  scheduler: dict | None = None, gradient_checkpointing: bool = False, name: str = "kd",
                  method: str = "sft", master_weights: str = "fp32", lora: dict | None = None,

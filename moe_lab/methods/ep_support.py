@@ -1,12 +1,11 @@
 """Which built methods run under expert parallelism (``hardware.ep_size > 1``): a method whose registration says
 ``expert_parallel=True`` (its experts are the HF experts call EP dispatches), without the choices that act inside
-the experts; everything else is refused by name before the first step."""
+the experts, and whose LightningModule states no ``expert_parallel_refusal``; everything else is refused by name
+before the first step."""
 
 from __future__ import annotations
 
 from .registry import METHODS, NOT_PROVEN_UNDER_EP, expert_parallel_methods
-
-KD_NOT_EXPERT_PARALLEL = "the teacher and the dense student are not expert parallel"
 
 
 def check_method(module, ep_size: int) -> None:
@@ -16,12 +15,13 @@ def check_method(module, ep_size: int) -> None:
         return
     hparams = getattr(module, "hparams", {})
     name = hparams.get("name") or getattr(module, "method", None)
-    installer = "kd" if hasattr(module, "kd") else getattr(module, "method", None)
+    installer = getattr(module, "method", None)
     where = f"method={name} under hardware.ep_size={ep_size}"
     runs = ("the methods that run under EP: " + ", ".join(expert_parallel_methods())
             + " (and their variants, e.g. sft_aux_free)")
-    if installer == "kd":
-        raise ValueError(f"{where}: {KD_NOT_EXPERT_PARALLEL}. Use hardware.ep_size=1 (DDP, ZeRO or FSDP); {runs}")
+    refusal = getattr(type(module), "expert_parallel_refusal", None)
+    if refusal:
+        raise ValueError(f"{where}: {refusal}. Use hardware.ep_size=1 (DDP, ZeRO or FSDP); {runs}")
     if installer not in METHODS or not METHODS[installer].expert_parallel:
         raise ValueError(f"{where}: {NOT_PROVEN_UNDER_EP}; {runs}")
     patch = getattr(module, "patch", None)

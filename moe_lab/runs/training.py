@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..callbacks.progress import ProgressLog
 from ..callbacks.step_timer import StepTimerCallback
 from ..core.atomic import atomic_write_json
+from ..core.method_class import module_fact
 from ..core.precision import export_in_load_dtype
 from ..models import load_model
 from ..runtime import slurm
@@ -108,7 +109,8 @@ def _finetune(cfg: DictConfig) -> dict:
         recorded = check_changes(ckpt, ckpt_path, cfg, field)  # dataset, method, batch size, world size, ...
     resumed_step = int(ckpt["global_step"]) if ckpt is not None else 0
     L.seed_everything(cfg.seed, workers=True)
-    model, tokenizer = load_model(cfg.model, method=cfg.method.get("name"))  # dense: DENSE_METHODS
+    model, tokenizer = load_model(cfg.model, method=cfg.method.get("name"),
+                                  dense=module_fact(cfg.method, "trains_dense_models", False))
     datamodule = instantiate(cfg.dataset, tokenizer=tokenizer)
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False)

@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..core.atomic import explain_write_failure, umask_mode
+from ..core.method_class import module_fact
 from .after_validation import AfterValidation
 from .marker_recovery import ADOPT_FIELD, adopt_pending, drop_pending, reverify, write_pending
 from .markers import MARKER, complete_beside, marker_path, sha256_file
@@ -444,7 +445,8 @@ def convert_zero_checkpoint(ckpt_dir: str | Path, out: str | Path, run_dir: str 
     cfg = _run_config(ckpt_dir, Path(run_dir) if run_dir else None)
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
     state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
-    model, tokenizer = load_model(cfg.model, method=cfg.method.name)
+    model, tokenizer = load_model(cfg.model, method=cfg.method.name,
+                                  dense=module_fact(cfg.method, "trains_dense_models", False))
     export_only = "export_only" in inspect.signature(get_class(cfg.method._target_)).parameters
     module = instantiate(cfg.method, model=model, optim=cfg.task.optim, scheduler=cfg.task.scheduler,
                          _recursive_=False, **({"export_only": True} if export_only else {}))

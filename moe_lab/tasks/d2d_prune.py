@@ -36,7 +36,7 @@ def d2d_prune_task(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     targets = _targets(cfg.task)
-    model, tokenizer = load_model(cfg.model, method="kd")  # a dense model (loads as a KD teacher / student does)
+    model, tokenizer = load_model(cfg.model, dense=True)  # a dense model (as a KD teacher or student)
     model.eval()
     batches, source = calibration_sequences(cfg.compress.calibration.dataset, tokenizer, cfg.compress.calibration)
     rows, plans = prune_candidates(model, batches, targets,

@@ -64,7 +64,7 @@ def baseline_student(cfg: DictConfig, converted: Path, out: Path) -> tuple[Path,
     teacher_cfg = to_plain(cfg.model)
     teacher, tokenizer = load_model(teacher_cfg)
     student, _ = load_model({"pretrained": str(converted), "tokenizer": teacher_cfg.get("tokenizer"),
-                             "dtype": teacher_cfg.get("dtype")}, method=cfg.method.name)
+                             "dtype": teacher_cfg.get("dtype")}, dense=True)  # the to_dense export
     names = ffn_names(teacher, student.config.num_hidden_layers)
     del teacher
     reinitialise(student, names, cfg.compress.init, int(cfg.seed))
@@ -99,7 +99,7 @@ def moe_to_dense(cfg: DictConfig) -> dict:
     summary["pre_distill"] = {"student": "converted", "ppl": converted["ppl"], "status": converted["status"]}
     if "scaling_choice" in converted:  # compress.scaling=best_ppl: the Stage-2 choice and every candidate's ppl
         summary["scaling_choice"] = converted["scaling_choice"]
-    teacher_cfg, method = to_plain(cfg.model), cfg.method.name
+    teacher_cfg = to_plain(cfg.model)
     if cfg.compress.init != "converted":  # the baseline's own starting point; the converted one for reference
         student_dir, point = baseline_student(cfg, student_dir, out / "convert" / f"export_{cfg.compress.init}")
         summary["pre_distill"] = {"student": cfg.compress.init, "ppl": point["ppl"], "status": point["status"],
@@ -117,7 +117,7 @@ def moe_to_dense(cfg: DictConfig) -> dict:
                                    "kd/hidden_mse": distilled.get("kd/hidden_mse"),
                                    "kd/hidden_weight": distilled.get("kd/hidden_weight")})
     if distilled.get("export"):
-        model, tokenizer = load_model({**student_cfg, "pretrained": distilled["export"]}, method=method)
+        model, tokenizer = load_model({**student_cfg, "pretrained": distilled["export"]}, dense=True)
         point = student_ppl(model, tokenizer, cfg.compress)
         summary["post_distill"] = {"ppl": point["ppl"], "status": point["status"]}
     summary["plots"] = _plot_kl(out / "distill" / "metrics.csv", out / "plots" / "kd_kl.png")

@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 
 from moe_lab.compress.calibration import calibrate
 from moe_lab.compress.dense import export_compressed, to_dense
-from moe_lab.models import DENSE_METHODS, load_model
+from moe_lab.core.method_class import module_fact
+from moe_lab.models import load_model
 from tests.conftest import ROOT, random_batch, tiny_model_cfg, word_text
 
 MOE_CALLBACKS = ("ExpertLoadCallback", "RouterBiasCallback", "RoutingDriftCallback", "RoutingLogCallback")
@@ -47,7 +48,7 @@ def _ids(vocab: int = 384) -> torch.Tensor:
 @torch.no_grad()
 def test_pretrained_dense_export_round_trip(exports):
     _, student_dir, student = exports
-    model, tokenizer = load_model({"pretrained": str(student_dir)}, method="kd")
+    model, tokenizer = load_model({"pretrained": str(student_dir)}, method="kd", dense=True)
     vanilla = transformers.AutoModelForCausalLM.from_pretrained(student_dir).eval()
     assert model.config.model_type == "qwen3" and len(tokenizer) == 259
     got = model.eval()(input_ids=_ids()).logits
@@ -57,7 +58,7 @@ def test_pretrained_dense_export_round_trip(exports):
 
 @torch.no_grad()
 def test_config_class_dense_model_equals_seeded_from_config():
-    model, _ = load_model({"config_class": "Qwen3Config", "config": DENSE_QWEN3, "seed": 3}, method="kd")
+    model, _ = load_model({"config_class": "Qwen3Config", "config": DENSE_QWEN3, "seed": 3}, method="kd", dense=True)
     torch.manual_seed(3)
     vanilla = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**DENSE_QWEN3)).eval()
     assert type(model) is type(vanilla)
@@ -67,11 +68,15 @@ def test_config_class_dense_model_equals_seeded_from_config():
 def test_moe_methods_refuse_dense_models(exports):
     _, student_dir, _ = exports
     names = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-    moe_methods = [n for n in names if n not in DENSE_METHODS]
-    assert DENSE_METHODS == ("kd",) and "sft" in moe_methods and "condenser" in moe_methods
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dense = [n for n in names
+                 if module_fact(compose("config", [f"method={n}"]).method, "trains_dense_models")]
+    moe_methods = [n for n in names if n not in dense]
+    assert dense == ["kd"] and "sft" in moe_methods and "condenser" in moe_methods
     for method in moe_methods:
         with pytest.raises(ValueError, match=rf"method={method} trains MoE models, but model.pretrained=\S+ is a "
-                                             r"dense 'qwen3' model .*methods that accept dense models: method=kd"):
+                                             r"dense 'qwen3' model .*a dense model trains only under a method whose "
+                                             r"LightningModule sets trains_dense_models \(e.g. method=kd"):
             load_model({"pretrained": str(student_dir)}, method=method)
     with pytest.raises(ValueError, match=r"method=esft_token trains MoE models, but model.config_class=Qwen3Config"):
         load_model({"config_class": "Qwen3Config", "config": DENSE_QWEN3}, method="esft_token")

@@ -101,7 +101,7 @@ def test_baselines_reinitialise_ffn_or_everything(source, tmp_path):
         export_compressed(to_dense(teacher, cal, K=4), tmp_path / "student")
     for init in ("random_ffn", "random"):
         student = to_dense(teacher, cal, K=4) if source == "memory" else load_model(
-            {"pretrained": str(tmp_path / "student"), "tokenizer": "byte"}, method="kd")[0]
+            {"pretrained": str(tmp_path / "student"), "tokenizer": "byte"}, dense=True)[0]
         reinitialise(student, names, init, seed=0)
         std = student.config.initializer_range
         for key, value in student.state_dict().items():

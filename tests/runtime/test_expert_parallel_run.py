@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from moe_lab.methods import ep_support
+from moe_lab.methods.distill import KDModule
 from moe_lab.runs.checks import refuse_expert_parallel
 from tests.conftest import ROOT
 from tests.test_run import run_py
@@ -189,7 +190,8 @@ def test_ep_refusals_for_strategy_masters_and_kd():
     with pytest.raises(ValueError, match=r"master_weights=optimizer.*master_weights=fp32"):
         ep_support.check_method(_Module("sft", master_weights="optimizer"), 2)
     with pytest.raises(ValueError, match=r"method=kd under hardware.ep_size=2: the teacher"):
-        ep_support.check_method(_Module("sft", name="kd", kd={}), 2)
+        ep_support.check_method(type("KD", (_Module,), {"expert_parallel_refusal": KDModule.expert_parallel_refusal})(
+            "sft", name="kd"), 2)  # the refusal KDModule states, read off the module's class
     refuse_expert_parallel(_Module("condenser"), "ddp", 2)
     refuse_expert_parallel(_Module("densemixer"), "ddp", 2)
 
