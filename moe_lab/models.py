@@ -42,7 +42,7 @@ def check_model_type(config, method: str | None = None, source: str = "model", d
     if dense:
         return
     families = ", ".join(supported_families())
-    dense_ones = "a method whose LightningModule sets trains_dense_models (e.g. method=kd, distillation)"
+    dense_ones = "a method whose LightningModule sets trains_dense_models (distillation, e.g. method=kd)"
     if method is None:
         raise ValueError(f"{source}: unsupported model_type {config.model_type!r}: moe-lab supports {families}; "
                          f"a dense causal LM loads only for {dense_ones}")

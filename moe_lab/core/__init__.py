@@ -5,4 +5,7 @@
 - :mod:`.plain`: OmegaConf containers to plain Python values;
 - :mod:`.export_check`: the manifest names of compression exports, and the refusal of an export cut short;
 - :mod:`.task_table`: one row per ``task=X`` (its run, whether it trains, how it resumes, its manifest, its maps).
+- :mod:`.stamped_log`: the resumable logs of finished work, stamped with their settings (CSV points, JSONL records);
+- :mod:`.method_class`: the LightningModule class a method config names, whose class attributes are its facts;
+- :mod:`.settings`: the typed optimizer, schedule and run length.
 """

@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 
 from ..compress.calibration import Calibration
 from ..compress.dense import export_compressed, to_dense
-from ..compress.point_log import PointLog
 from ..compress.prune import prune_experts, strategy_counts
 from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
+from ..core.stamped_log import PointLog
 from ..data.collate import encode_prompt
 from ..eval.eval_sets import load_eval_set
 from ..models import load_model

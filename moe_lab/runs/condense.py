@@ -29,9 +29,9 @@ from ..compress.condense_search import (
     trim_order,
 )
 from ..compress.dense import export_compressed
-from ..compress.point_log import PointLog
 from ..core.atomic import atomic_write_json
 from ..core.plain import to_plain
+from ..core.stamped_log import PointLog
 from ..models import load_model
 from ..moe.view import find_moe_layers
 from ..runtime.stop_signal import StopOnSignal
@@ -64,7 +64,7 @@ SEARCH_KNOBS = ("method", "routed_experts", "experts", "expert_selection", "expe
 class SearchLog:
     """The finished steps of the CD-MoE searches (a layer's greedy expert list, a greedy layer step, a layer's
     single-condensation loss) in ``<run dir>/search_progress.csv``, each written as it finishes (atomically:
-    :class:`~moe_lab.compress.point_log.PointLog`, settings in ``search_progress.meta.json``). A re-run into the
+    :class:`~moe_lab.core.stamped_log.PointLog`, settings in ``search_progress.meta.json``). A re-run into the
     same directory takes them as they are and continues (a kill -9 loses at most the step in hand); on SIGINT /
     SIGTERM / SIGUSR1 (``stop``) the search ends after the step in hand and the task exits with how to resume."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -25,7 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..core.atomic import atomic_write_json
 from ..core.export_check import check_export
-from ..core.plain import flatten, to_plain
+from ..core.method_class import module_fact
+from ..core.plain import to_plain
+from ..core.stamped_log import RecordLog
 from ..data.prompts import build_prompt
 from ..eval.choices import choice_item, get_format
 from ..eval.eval_sets import (
@@ -81,7 +82,8 @@ def load_for_eval(cfg: DictConfig):
                 model, tokenizer = load_model({
                     "pretrained": str(path), "dtype": model_cfg.get("dtype"),
                     "tokenizer": str(path) if has_tokenizer else model_cfg.get("tokenizer"),
-                }, method=run.method.name if run is not None else None)
+                }, method=run.method.name if run is not None else None,
+                    dense=run is not None and module_fact(run.method, "trains_dense_models", False))
             except ValueError as err:
                 if run is not None or "dense causal LM" not in str(err):
                     raise
@@ -120,64 +122,16 @@ def _load_lightning_checkpoint(path: Path, model_cfg: dict):
 # Predictions written incrementally, resumed by id
 
 
-class PredictionStore:
-    """``predictions/<set><suffix>.jsonl`` written a batch at a time, with the settings that made it in a
-    ``.meta.json`` beside it; a re-run resumes from the ids already there."""
-
-    def __init__(self, directory: Path, name: str, settings: dict):
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{name}.jsonl"
-        self.meta = directory / f"{name}.meta.json"
-        self.settings = json.loads(json.dumps(settings))  # plain JSON types, comparable with the file
-        if self.meta.is_file() and self.path.is_file():
-            before, now = flatten(json.loads(self.meta.read_text())), flatten(self.settings)
-            changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-            if changed:
-                detail = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
-                what = ("with another model (its weights changed since: the fingerprint differs; see "
-                        "moe_lab.eval.fingerprint)" if "weights" in changed else
-                        "for other contents of the set (its rows changed since under the same name: the data "
-                        "fingerprint differs; the predictions would be scored against other answers)"
-                        if "data" in changed else "with other settings")
-                raise ValueError(
-                    f"{self.path} was written {what} ({detail}). Evaluate into a new output "
-                    "directory (hydra.run.dir=...) or delete that file to start it over."
-                )
-        else:
-            atomic_write_json(self.meta, self.settings)
-
-    def load(self) -> dict[str, dict]:
-        """Records by ``str(id)``; a last line cut short by a crash is dropped (and removed from the file)."""
-        if not self.path.is_file():
-            return {}
-        raw = self.path.read_bytes()
-        lines = raw.split(b"\n")
-        records: dict[str, dict] = {}
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if n == len(lines):  # an unterminated last line: a write interrupted mid-way
-                    with open(self.path, "r+b") as f:
-                        f.truncate(len(raw) - len(line))
-                    log.warning("%s: dropped an incomplete last line (interrupted write)", self.path)
-                    return records
-                raise ValueError(f"{self.path}: line {n} is not valid JSON; delete the file to start over") from None
-            if not isinstance(record, dict) or "id" not in record:
-                raise ValueError(f"{self.path}: line {n} has no 'id'; delete the file to start over")
-            records[str(record["id"])] = record
-        if raw and not raw.endswith(b"\n"):  # complete record, newline lost: appends must start a new line
-            with open(self.path, "ab") as f:
-                f.write(b"\n")
-        return records
-
-    def append(self, records: list[dict]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-            f.flush()
-            os.fsync(f.fileno())
+def prediction_mismatch(path: Path, changed: list[str], detail: str) -> str:
+    """The refusal of a predictions file written with other settings (a :class:`RecordLog` ``explain``): another
+    model (the weights fingerprint differs), other contents of the set (the data fingerprint) or other settings."""
+    what = ("with another model (its weights changed since: the fingerprint differs; see "
+            "moe_lab.eval.fingerprint)" if "weights" in changed else
+            "for other contents of the set (its rows changed since under the same name: the data "
+            "fingerprint differs; the predictions would be scored against other answers)"
+            if "data" in changed else "with other settings")
+    return (f"{path} was written {what} ({detail}). Evaluate into a new output "
+            "directory (hydra.run.dir=...) or delete that file to start it over.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -191,7 +145,7 @@ def _prompt(tokenizer, row: dict) -> str:
     return build_prompt(tokenizer, row)
 
 
-def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, object]:
+def _generate_set(model, tokenizer, data: EvalData, ev, store: RecordLog) -> dict[int, object]:
     """Generate the rows ``store`` lacks (``ev.batch_size`` prompts per write); ``{row index: prediction}``."""
     from ..eval.generation import generate
 
@@ -214,7 +168,7 @@ def _generate_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) 
     return {k: done[str(rid)]["prediction"] for k, rid in enumerate(ids)}
 
 
-def _loglik_set(model, tokenizer, data: EvalData, ev, store: PredictionStore) -> dict[int, dict]:
+def _loglik_set(model, tokenizer, data: EvalData, ev, store: RecordLog) -> dict[int, dict]:
     """Multiple-choice log-likelihood records ``{row index: {"loglik", "pred", "pred_norm"}}``, resumable."""
     from ..eval.likelihood import score_choices
 
@@ -302,13 +256,15 @@ def _evaluate_set(model, tokenizer, data: EvalData, ev, pred_dir: Path, settings
         summary = _perplexity_set(model, tokenizer, data, ev, pred_dir, settings)
         cells.append((spec.title, summary["value"], False))
         return summary
-    store = PredictionStore(pred_dir, spec.name, {**settings, "generation": to_plain(ev.generation)})
+    store = RecordLog(pred_dir, spec.name, {**settings, "generation": to_plain(ev.generation)},
+                      explain=prediction_mismatch)
     predictions = _generate_set(model, tokenizer, data, ev, store)
     summary, per_item = score_predictions(spec, predictions, data=data, mode=ev.extraction)
     _write_jsonl(pred_dir / f"{spec.name}.scored.jsonl", per_item)
     cells.append((spec.title, _percent(summary["value"]), True))
     if spec.kind == "commonsense" and ev.get("loglik"):
-        mc_store = PredictionStore(pred_dir, f"{spec.name}.mc", {**settings, "kind": "loglik"})
+        mc_store = RecordLog(pred_dir, f"{spec.name}.mc", {**settings, "kind": "loglik"},
+                             explain=prediction_mismatch)
         mc = score_choice_records(data, _loglik_set(model, tokenizer, data, ev, mc_store))
         summary["loglik"] = mc
         cells.append((f"{spec.title} acc (ll)", _percent(mc["value"]), False))

@@ -76,7 +76,7 @@ def test_moe_methods_refuse_dense_models(exports):
     for method in moe_methods:
         with pytest.raises(ValueError, match=rf"method={method} trains MoE models, but model.pretrained=\S+ is a "
                                              r"dense 'qwen3' model .*a dense model trains only under a method whose "
-                                             r"LightningModule sets trains_dense_models \(e.g. method=kd"):
+                                             r"LightningModule sets trains_dense_models \(distillation, e.g. method=kd\)"):
             load_model({"pretrained": str(student_dir)}, method=method)
     with pytest.raises(ValueError, match=r"method=esft_token trains MoE models, but model.config_class=Qwen3Config"):
         load_model({"config_class": "Qwen3Config", "config": DENSE_QWEN3}, method="esft_token")

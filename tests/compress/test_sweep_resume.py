@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_lab.compress import calibrate
-from moe_lab.compress.point_log import PointLog
+from moe_lab.core.stamped_log import PointLog
 from moe_lab.runs import compress_sweep as sweep
 from moe_lab.runs.compress import compress
 from moe_lab.runtime.stop_signal import Interrupted

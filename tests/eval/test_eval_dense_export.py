@@ -23,12 +23,12 @@ from tests.eval.test_evaluate_task import eval_cfg, read_jsonl
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     """A to_dense K=4 student of tiny_qwen3_moe exported as task=moe_to_dense lays it out, with the stage's
-    config.yaml (model tiny_qwen3_moe_dense, method kd) beside it."""
+    config.yaml (model tiny_qwen3_moe_dense, method kd and the class it names) beside it."""
     run = tmp_path_factory.mktemp("m2d") / "distill"
     teacher, tokenizer = load_model(tiny_model_cfg("qwen3_moe"))
     student = to_dense(teacher.eval(), calibrate(teacher, [random_batch(batch=2, seq=16, pad_rows=())]), K=4)
     export_compressed(student, run / "export", tokenizer)
-    OmegaConf.save(OmegaConf.create({"model": {"name": "tiny_qwen3_moe_dense"}, "method": {"name": "kd"}}),
+    OmegaConf.save(OmegaConf.create({"model": {"name": "tiny_qwen3_moe_dense"}, "method": {"name": "kd", "_target_": "moe_lab.methods.distill.KDModule"}}),
                    run / "config.yaml")
     return run / "export"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-import moe_lab.methods  # noqa: F401  (fills the registry)
+import moe_lab.methods  # fills the registry
 from moe_lab.methods.registry import METHODS, method_of, register_adapter, register_method
 from moe_lab.methods.sft import install_sft
 
