@@ -5,23 +5,30 @@ Non-expert costs (attention as causal fused attention, projections, router, shar
 lm_head) are measured on the meta device (:mod:`.meta_costs`); routed experts are counted analytically from
 their packed tensors: one expert on one token costs ``2 * m`` FLOPs forward (``m`` = its matmul weights), as
 much again for the input gradient and again for the weight gradient.
+
+This module holds the machinery and the ``sft`` row. Every other method's row (its formula, and how it is
+priced: on the dense student, with a teacher's weights, at another top-k, with an inactive-experts pass) lives
+in the method's own module in :mod:`moe_lab.methods`, registered with :func:`register_cost_row` on a function
+of a :class:`CostContext`; :data:`COST_ROWS` (and :data:`METHODS`, its names) hold them once
+``moe_lab.methods`` is imported, and :func:`estimate` refuses to run on the ``sft`` row alone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .meta_costs import ParamCounts, count_parameters, measure, meta_model, moe_views, quiet_init
+from .meta_costs import Measured, ParamCounts, count_parameters, measure, meta_model, moe_views, quiet_init
 
 log = logging.getLogger(__name__)
 
-METHODS = ("sft", "densemixer", "condenser_replace", "condenser_append", "compressed_experts", "esft", "lora",
-           "kd", "dense_student")
 STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "ep", "ep_ddp")
 MOMENT_BYTES = 8  # AdamW's two fp32 moments per trained parameter: what ZeRO-1 shards beside EP (``ep`` row)
+PRICING = "_pricing"  # a row's internal key: its RowPricing, stripped before output
 
 
 @dataclass
@@ -37,93 +44,126 @@ class Options:
     kd_teacher_top_k: int | None = None  # k' (null: k)
 
 
-def _expert_sum(counts: ParamCounts, per_layer) -> int:
+def expert_sum(counts: ParamCounts, per_layer) -> int:
     """Sum over MoE layers of ``per_layer(shape) * 2 * matmul params per expert`` (FLOPs per token)."""
     return int(sum(per_layer(s) * 2 * s.matmul_params_per_expert for s in counts.experts))
 
 
-def _lora_linears(model) -> list[tuple[str, int, int]]:
-    """(name, in, out) of every nn.Linear LoRA targets: all but routers and the lm_head (public DenseMixer setup)."""
-    routers = {id(v.router) for v in moe_views(model)}
-    out_emb = model.get_output_embeddings()
-    return [(n, m.in_features, m.out_features) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and id(m) not in routers and m is not out_emb]
+@dataclass(frozen=True)
+class RowPricing:
+    """How :func:`estimate` prices a row beyond its FLOPs (the row's ``_pricing`` entry, left out of the
+    output)."""
+
+    on_student: bool = False  # counts, activations and memory of the MoE -> dense student, not of the model
+    teacher_params: int = 0  # a frozen teacher's weights held beside the trained model (KD)
+    active_top_k: dict[int, int] | None = None  # MoE layer -> experts per token, for params_active (None: k)
+    inactive_pass: bool = False  # every token also runs the experts outside its top-k (EP all-to-all volume)
 
 
-def _compressed_experts_costs(counts: ParamCounts, opts: Options, row, experts, f_rest: int, b_rest: int) -> dict:
-    """Compressed Experts' row: ``k_main`` experts run (default k // 2), the others as scaling vectors."""
-    km = {s.layer: opts.k_main or s.top_k // 2 for s in counts.experts}
-    for s in counts.experts:
-        if not 1 <= km[s.layer] < s.top_k:
-            raise ValueError(f"task.methods.k_main={opts.k_main} must be in 1..top_k-1 (top_k={s.top_k})")
-    if opts.compressed_form not in ("input", "gate_up_intermediate"):
-        raise ValueError(f"task.methods.compressed_form={opts.compressed_form!r}: choose input or gate_up_intermediate")
-    vec = sum(s.num_experts * (s.hidden if opts.compressed_form == "input" else 2 * s.hidden + s.width)
-              for s in counts.experts)
-    return row(
-        f_rest + experts(lambda s: km[s.layer]), b_rest + 2 * experts(lambda s: km[s.layer]), counts.total + vec,
-        sum(km.values()), note=f"k_main experts run ({opts.compressed_form} vectors: {vec:,} parameters)")
+@dataclass
+class CostContext:
+    """What a cost row's formula reads: the meta model, its parameter counts, the measured non-expert costs
+    with the non-experts trained (``trained``) and frozen (``frozen``), the method knobs, the dense student
+    (``(counts, measured)``, or None) and the SFT quantities the rows start from. Built by :meth:`build`."""
+
+    model: torch.nn.Module
+    counts: ParamCounts
+    trained: Measured
+    frozen: Measured
+    opts: Options
+    student: tuple[ParamCounts, Measured] | None
+    f_rest: float  # non-expert FLOPs per token, forward (non-experts trained)
+    b_rest: float  # ... backward
+    b_frozen: float  # non-expert FLOPs per token, backward, non-experts frozen (no weight gradients)
+    h: int  # hidden size
+    k: dict[int, int]  # MoE layer -> top-k
+    sft_f: float  # SFT's FLOPs per token, forward
+    sft_b: float  # ... backward
+    assign_k: int  # expert assignments per token saved for the backward under HF top-k routing
+
+    @classmethod
+    def build(cls, model, counts: ParamCounts, trained: Measured, frozen: Measured, opts: Options,
+              student=None) -> CostContext:
+        t = trained.tokens
+        f_rest, b_rest = trained.total("forward") / t, trained.total("backward") / t
+        b_frozen = frozen.total("backward") / t
+        h = int(model.config.hidden_size)
+        k = {s.layer: s.top_k for s in counts.experts}
+        top_k = expert_sum(counts, lambda s: s.top_k)
+        sft_f, sft_b = f_rest + top_k, b_rest + 2 * top_k
+        return cls(model, counts, trained, frozen, opts, student, f_rest, b_rest, b_frozen, h, k, sft_f,
+                   sft_b, sum(k.values()))
+
+    def experts(self, n) -> int:
+        """FLOPs of ``n(shape)`` experts per token in every MoE layer."""
+        return expert_sum(self.counts, n)
+
+    @staticmethod
+    def row(fwd, bwd, trainable, assignments, extra_act=0.0, note="", *, on_student: bool = False,
+            teacher_params: int = 0, active_top_k: dict[int, int] | None = None,
+            inactive_pass: bool = False) -> dict:
+        """One method's row: FLOPs per token, trainable parameters, expert assignments saved for the backward,
+        extra activation elements per token and a note; the keywords say how it is priced
+        (:class:`RowPricing`)."""
+        return {"flops_per_token_forward": fwd, "flops_per_token_backward": bwd,
+                "params_trainable": int(trainable), "expert_assignments_saved": assignments,
+                "extra_activation_elems_per_token": extra_act, "note": note,
+                PRICING: RowPricing(on_student, teacher_params, active_top_k, inactive_pass)}
+
+    @staticmethod
+    def skip(name: str, why: str) -> None:
+        """Log why row ``name`` is left out (its row function then returns None)."""
+        log.info(f"estimate: no {name} row ({why})")
+
+
+#: row name -> ``row(ctx: CostContext) -> dict | None`` (None: it does not apply), in the estimate's order;
+#: filled by :func:`register_cost_row` (the ``sft`` row here, every other method's in its module)
+COST_ROWS: dict[str, Callable[[CostContext], dict | None]] = {}
+_ORDER: dict[str, float] = {}  # row name -> its registered ``order``
+
+
+def register_cost_row(name: str, order: float | None = None) -> Callable[[Callable], Callable]:
+    """``@register_cost_row("densemixer", order=10)`` on ``row(ctx: CostContext) -> dict | None``: the
+    estimate's row ``name`` (what a method's ``cost_row`` names). ``order`` places it among the rows (tables,
+    JSON, :data:`METHODS`); rows without one follow, in registration order. A second, other function under
+    ``name`` is refused."""
+    def register(fn: Callable) -> Callable:
+        known = COST_ROWS.get(name)
+        if known is not None and known is not fn:
+            raise ValueError(f"cost row {name!r} is registered twice: {known.__module__} and {fn.__module__}")
+        COST_ROWS[name] = fn
+        _ORDER[name] = math.inf if order is None else order
+        ranked = sorted(COST_ROWS.items(), key=lambda item: _ORDER.get(item[0], math.inf))  # stable
+        COST_ROWS.clear()
+        COST_ROWS.update(ranked)
+        return fn
+
+    return register
+
+
+def __getattr__(name: str):
+    """``METHODS``: the names of :data:`COST_ROWS`, in order (read when asked: method modules add rows)."""
+    if name == "METHODS":
+        return tuple(COST_ROWS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@register_cost_row("sft", order=0)
+def sft_costs(ctx: CostContext) -> dict:
+    """HF routing, gradients through the top-k experts."""
+    return ctx.row(ctx.sft_f, ctx.sft_b, ctx.counts.total, ctx.assign_k,
+                   note="HF routing; gradients through the top-k")
 
 
 def method_costs(model, counts: ParamCounts, trained, frozen, opts: Options, student=None) -> dict[str, dict]:
-    """Per-token FLOPs (forward / backward), trainable parameters and expert activations per method."""
-    t = trained.tokens
-    f_rest, b_rest, b_frozen = trained.total("forward") / t, trained.total("backward") / t, frozen.total("backward") / t
-    h = int(model.config.hidden_size)
-    k = {s.layer: s.top_k for s in counts.experts}
-
-    def experts(n):  # FLOPs of n(shape) experts per token in every MoE layer
-        return _expert_sum(counts, n)
-
-    def row(fwd, bwd, trainable, assignments, extra_act=0.0, note=""):
-        return {"flops_per_token_forward": fwd, "flops_per_token_backward": bwd, "params_trainable": int(trainable),
-                "expert_assignments_saved": assignments, "extra_activation_elems_per_token": extra_act,
-                "note": note}
-
-    sft_f, sft_b = f_rest + experts(lambda s: s.top_k), b_rest + 2 * experts(lambda s: s.top_k)
-    assign_k = sum(k.values())
-    out = {"sft": row(sft_f, sft_b, counts.total, assign_k, note="HF routing; gradients through the top-k")}
-    ste = sum(2 * s.num_experts * h for s in counts.experts)  # <dL/dy, E_e(x)> for every expert
-    inactive = experts(lambda s: s.num_experts - s.top_k)
-    out["densemixer"] = row(
-        sft_f, sft_b + inactive + ste, counts.total, assign_k,
-        note="forward = SFT; backward = SFT + the inactive experts run without autograd (chunked, nothing "
-        "stored) + the router's straight-through products (the paper counts the inactive experts in its forward)")
-    out["densemixer"]["flops_per_token_inactive_experts"] = inactive
-    out["condenser_replace"] = row(sft_f, sft_b, counts.total, assign_k, note="|S| = k: top-(k-n) + n condensers")
-    n = opts.condenser_n
-    out["condenser_append"] = row(f_rest + experts(lambda s: s.top_k + n), b_rest + 2 * experts(lambda s: s.top_k + n),
-                                  counts.total, assign_k + n * len(k), note=f"|S| = k + {n}")
-    if opts.k_main is not None or all(s.top_k >= 2 for s in counts.experts):
-        out["compressed_experts"] = _compressed_experts_costs(counts, opts, row, experts, f_rest, b_rest)
-    else:  # a top-1 router runs no auxiliary expert: Compressed Experts is undefined there (the method refuses)
-        log.info("estimate: no compressed_experts row (a top-1 router has no auxiliary expert to compress)")
-    share = opts.esft_assignment_share
-    out["esft"] = row(
-        sft_f, b_frozen + experts(lambda s: s.top_k) + share * experts(lambda s: s.top_k),
-        opts.esft_expert_share * counts.routed, assign_k,
-        note=f"frozen weights skip their weight gradients; {share:.0%} of assignments hit trained experts")
-    r = opts.lora_rank
-    lin = _lora_linears(model)
-    lora_dense = sum(2 * r * (i + o) for _, i, o in lin)
-    lora_exp = sum(s.top_k * 2 * r * (3 * s.hidden + 3 * s.width) for s in counts.experts)
-    lora_params = sum(r * (i + o) for _, i, o in lin) + sum(
-        s.num_experts * r * (3 * s.hidden + 3 * s.width) for s in counts.experts) + counts.router
-    out["lora"] = row(
-        sft_f + lora_dense + lora_exp,
-        b_frozen + experts(lambda s: s.top_k) + 2 * (lora_dense + lora_exp) + sum(2 * s.router_params for s in counts.experts),
-        lora_params, assign_k, note=f"rank {r} on every linear and expert projection, router full rank (trained)")
-    if student is not None:
-        s_counts, s_trained = student
-        st = s_trained.tokens
-        s_f = s_trained.total("forward") / st + _expert_sum(s_counts, lambda s: s.top_k)
-        s_b = s_trained.total("backward") / st + 2 * _expert_sum(s_counts, lambda s: s.top_k)
-        kp = opts.kd_teacher_top_k
-        teacher_f = f_rest + experts(lambda s: kp or s.top_k)
-        out["kd"] = row(s_f + teacher_f, s_b, s_counts.total, sum(s.top_k for s in s_counts.experts),
-                        note=f"teacher forward at k'={kp or 'k'} (no grad) + dense student forward/backward")
-        out["dense_student"] = row(s_f, s_b, s_counts.total, sum(s.top_k for s in s_counts.experts),
-                                   note="the MoE -> dense student trained alone")
+    """Per-token FLOPs (forward / backward), trainable parameters and expert activations per method: every row
+    of :data:`COST_ROWS` that applies, in order (each with its :class:`RowPricing` under ``_pricing``)."""
+    ctx = CostContext.build(model, counts, trained, frozen, opts, student)
+    out = {}
+    for name, cost in COST_ROWS.items():
+        row = cost(ctx)
+        if row is not None:
+            out[name] = row
     return out
 
 
@@ -265,7 +305,13 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
              grad_bytes: int = 2, optimizer_bytes: int = 12, dtype: torch.dtype = torch.bfloat16,
              with_student: bool = True) -> dict:
     """Everything ``task=estimate`` writes, for one HF config (no weights); ``with_student=False`` skips the MoE -> dense
-    student (the ``kd`` / ``dense_student`` rows), the slowest part, when only fine-tuning methods are asked for."""
+    student (the ``kd`` / ``dense_student`` rows), the slowest part, when only fine-tuning methods are asked for.
+    Every row of :data:`COST_ROWS` that applies is priced; a RuntimeError when only ``sft`` is registered
+    (``moe_lab.methods``, whose modules register the others, not imported)."""
+    if set(COST_ROWS) <= {"sft"}:
+        raise RuntimeError("the estimate's cost table holds only the sft row: every other method's row is "
+                           "registered by its module in moe_lab.methods; import moe_lab.methods before "
+                           "calling moe_lab.analysis.estimate.estimate")
     with quiet_init():
         model = meta_model(config, dtype)
     counts = count_parameters(model)
@@ -291,15 +337,16 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
     k = {s.layer: s.top_k for s in counts.experts}
     out_methods = {}
     for name, c in costs.items():
-        is_student = name in ("kd", "dense_student")
-        s_counts = student[0] if is_student else counts
-        measured = student[1] if is_student else trained
+        pricing = c.pop(PRICING)
+        if pricing.on_student and student is None:
+            raise ValueError(f"estimate: the {name} row is priced on the dense student, which is unavailable "
+                             f"({student_note}); its row function must return None without a student")
+        s_counts = student[0] if pricing.on_student else counts
+        measured = student[1] if pricing.on_student else trained
         total = s_counts.total
-        active = s_counts.active() if is_student else counts.active(
-            {i: v + (opts.condenser_n if name == "condenser_append" else 0) -
-             (v - (opts.k_main or v // 2) if name == "compressed_experts" else 0) for i, v in k.items()})
+        active = s_counts.active() if pricing.on_student else counts.active(
+            k if pricing.active_top_k is None else pricing.active_top_k)
         act = activation_bytes(measured, s_counts, c, batch, seq_len, elem, hidden)
-        teacher = counts.total if name == "kd" else 0
         out_methods[name] = {
             **c, "params_total": total, "params_active": active,
             "params_active_no_input_embedding": active - s_counts.input_embedding,
@@ -308,8 +355,9 @@ def estimate(config, *, seq_len: int, batch: int, opts: Options, gpus: int = 8, 
             "ratio_to_sft": (c["flops_per_token_forward"] + c["flops_per_token_backward"]) /
             (costs["sft"]["flops_per_token_forward"] + costs["sft"]["flops_per_token_backward"]),
             "memory": memory(s_counts, c["params_trainable"], act, gpus=gpus, param_bytes=param_bytes,
-                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, frozen_extra=teacher,
-                             tokens=batch * seq_len, elem=elem, inactive_pass=name == "densemixer"),
+                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                             frozen_extra=pricing.teacher_params, tokens=batch * seq_len, elem=elem,
+                             inactive_pass=pricing.inactive_pass),
         }
     t = trained.tokens
     active_layer = counts.per_layer_active()

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
+from ..analysis.estimate import CostContext, register_cost_row
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.experts import expert_intermediate_size, expert_mixture, looped_mixture
 from ..moe.patch import MoEPatch
@@ -361,3 +362,32 @@ def flop_ratio(patch: MoEPatch, k_main: int | None = None) -> float:
 def _installed_k_main(patch: MoEPatch) -> int | None:
     policy = patch.views[0].router.moe_lab_policy
     return policy.k_main if isinstance(policy, CompressedExpertsRouting) else None
+
+
+def _compressed_experts_costs(ctx: CostContext) -> dict:
+    """Compressed Experts' row: ``k_main`` experts run (default k // 2), the others as scaling vectors."""
+    counts, opts = ctx.counts, ctx.opts
+    km = {s.layer: opts.k_main or s.top_k // 2 for s in counts.experts}
+    for s in counts.experts:
+        if not 1 <= km[s.layer] < s.top_k:
+            raise ValueError(f"task.methods.k_main={opts.k_main} must be in 1..top_k-1 (top_k={s.top_k})")
+    if opts.compressed_form not in ("input", "gate_up_intermediate"):
+        raise ValueError(f"task.methods.compressed_form={opts.compressed_form!r}: choose input or "
+                         "gate_up_intermediate")
+    vec = sum(s.num_experts * (s.hidden if opts.compressed_form == "input" else 2 * s.hidden + s.width)
+              for s in counts.experts)
+    return ctx.row(
+        ctx.f_rest + ctx.experts(lambda s: km[s.layer]), ctx.b_rest + 2 * ctx.experts(lambda s: km[s.layer]),
+        counts.total + vec, sum(km.values()),
+        note=f"k_main experts run ({opts.compressed_form} vectors: {vec:,} parameters)",
+        active_top_k={i: v - (v - (opts.k_main or v // 2)) for i, v in ctx.k.items()})
+
+
+@register_cost_row("compressed_experts", order=40)
+def compressed_experts_costs(ctx: CostContext) -> dict | None:
+    """The estimate's row; none on a top-1 router (unless ``k_main`` is given, which then refuses)."""
+    if ctx.opts.k_main is not None or all(s.top_k >= 2 for s in ctx.counts.experts):
+        return _compressed_experts_costs(ctx)
+    # a top-1 router runs no auxiliary expert: Compressed Experts is undefined there (the method refuses)
+    ctx.skip("compressed_experts", "a top-1 router has no auxiliary expert to compress")
+    return None

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from ..analysis.estimate import CostContext, register_cost_row
 from ..core.atomic import atomic_write_json
 from ..moe.block import ConventionalRouting, MoEBlock
 from ..moe.patch import MoEPatch
@@ -495,3 +496,20 @@ def _save_beside_export(patch: MoEPatch, directory) -> None:
 def _check_choice(field: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"condenser {field}={value!r}: choose one of {', '.join(allowed)}")
+
+
+@register_cost_row("condenser_replace", order=20)
+def condenser_replace_costs(ctx: CostContext) -> dict:
+    """The estimate's row of ``budget=replace``: |S| = k, SFT's costs."""
+    return ctx.row(ctx.sft_f, ctx.sft_b, ctx.counts.total, ctx.assign_k,
+                   note="|S| = k: top-(k-n) + n condensers")
+
+
+@register_cost_row("condenser_append", order=30)
+def condenser_append_costs(ctx: CostContext) -> dict:
+    """The estimate's row of ``budget=append``: |S| = k + n experts per token (``condenser_n``)."""
+    n = ctx.opts.condenser_n
+    return ctx.row(ctx.f_rest + ctx.experts(lambda s: s.top_k + n),
+                   ctx.b_rest + 2 * ctx.experts(lambda s: s.top_k + n), ctx.counts.total,
+                   ctx.assign_k + n * len(ctx.k), note=f"|S| = k + {n}",
+                   active_top_k={i: v + n for i, v in ctx.k.items()})

@@ -34,6 +34,7 @@ import contextlib
 import torch
 from torch.nn.utils import parametrize, stateless
 
+from ..analysis.estimate import CostContext, register_cost_row
 from ..moe.block import MoEBlock, autocast_expert_weights, sparse_mixture, splits_lora
 from ..moe.experts import expert_intermediate_size, grouped_expert_forward
 from ..moe.patch import MoEPatch
@@ -230,3 +231,18 @@ def install_densemixer(patch: MoEPatch, memory_budget_mb: float = 256.0, gradien
         width = 3 * expert_intermediate_size(view) + 3 * view.config.hidden_size
         per_token = max(1, view.num_experts - view.top_k) * width * view.down_proj.element_size()
         block.mixer = DenseMixerMixture(max(1, int(memory_budget_mb * 2**20 // per_token)), gradient, forward)
+
+
+@register_cost_row("densemixer", order=10)
+def densemixer_costs(ctx: CostContext) -> dict:
+    """The estimate's row: SFT's forward; SFT's backward plus the inactive experts' pass and the router's
+    straight-through products."""
+    ste = sum(2 * s.num_experts * ctx.h for s in ctx.counts.experts)  # <dL/dy, E_e(x)> for every expert
+    inactive = ctx.experts(lambda s: s.num_experts - s.top_k)
+    out = ctx.row(
+        ctx.sft_f, ctx.sft_b + inactive + ste, ctx.counts.total, ctx.assign_k, inactive_pass=True,
+        note="forward = SFT; backward = SFT + the inactive experts run without autograd (chunked, nothing "
+        "stored) + the router's straight-through products (the paper counts the inactive experts in its "
+        "forward)")
+    out["flops_per_token_inactive_experts"] = inactive
+    return out

@@ -461,3 +461,40 @@ class KDModule(MoELightningModule):
                 raise ValueError("method.options.teacher_logits: the checkpoint has no teacher-record position (it "
                                  "was not written by a run distilling from a record); resume it with the live teacher")
             self.record.load_state_dict(state.get("teacher_logits") or {"train_batches": 0})
+
+
+# the estimate's rows of KD and of the dense student alone (moe_lab.analysis.estimate), priced on the student
+from ..analysis.estimate import CostContext, expert_sum, register_cost_row
+
+
+def _student_costs(ctx: CostContext):
+    """``(student counts, forward, backward FLOPs per token)`` of the MoE -> dense student."""
+    s_counts, s_trained = ctx.student
+    st = s_trained.tokens
+    s_f = s_trained.total("forward") / st + expert_sum(s_counts, lambda s: s.top_k)
+    s_b = s_trained.total("backward") / st + 2 * expert_sum(s_counts, lambda s: s.top_k)
+    return s_counts, s_f, s_b
+
+
+@register_cost_row("kd", order=70)
+def kd_costs(ctx: CostContext) -> dict | None:
+    """The teacher's forward at k' (no grad) + the dense student's forward and backward; the teacher's weights
+    held beside the student. None without a student."""
+    if ctx.student is None:
+        return None
+    s_counts, s_f, s_b = _student_costs(ctx)
+    kp = ctx.opts.kd_teacher_top_k
+    teacher_f = ctx.f_rest + ctx.experts(lambda s: kp or s.top_k)
+    return ctx.row(s_f + teacher_f, s_b, s_counts.total, sum(s.top_k for s in s_counts.experts),
+                   note=f"teacher forward at k'={kp or 'k'} (no grad) + dense student forward/backward",
+                   on_student=True, teacher_params=ctx.counts.total)
+
+
+@register_cost_row("dense_student", order=80)
+def dense_student_costs(ctx: CostContext) -> dict | None:
+    """The MoE -> dense student trained alone. None without a student."""
+    if ctx.student is None:
+        return None
+    s_counts, s_f, s_b = _student_costs(ctx)
+    return ctx.row(s_f, s_b, s_counts.total, sum(s.top_k for s in s_counts.experts),
+                   note="the MoE -> dense student trained alone", on_student=True)

@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from transformers.integrations.moe import _grouped_linear
 
+from ..analysis.estimate import CostContext, register_cost_row
 from ..moe.block import MoEBlock, sparse_mixture, split_router_output
 from ..moe.experts import looped_mixture
 from ..moe.patch import MoEPatch
@@ -584,3 +585,15 @@ def load_selection(path: str | Path) -> dict:
 def _check_choice(field_name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{field_name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+@register_cost_row("esft", order=50)
+def esft_costs(ctx: CostContext) -> dict:
+    """The estimate's row: frozen weights skip their weight gradients; a share of the assignments hits a
+    trained expert (``esft_assignment_share``), a share of the routed experts trains
+    (``esft_expert_share``)."""
+    share = ctx.opts.esft_assignment_share
+    return ctx.row(
+        ctx.sft_f, ctx.b_frozen + ctx.experts(lambda s: s.top_k) + share * ctx.experts(lambda s: s.top_k),
+        ctx.opts.esft_expert_share * ctx.counts.routed, ctx.assign_k,
+        note=f"frozen weights skip their weight gradients; {share:.0%} of assignments hit trained experts")

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..analysis.estimate import CostContext, register_cost_row
+from ..analysis.meta_costs import moe_views
 from ..core.precision import export_in_load_dtype
 from ..moe.block import SliceGradMask
 from ..moe.layout import expert_mask
@@ -198,3 +200,30 @@ def merged_state_dict(patch: MoEPatch) -> dict[str, torch.Tensor]:
         delta = lora.scale * (lora.lora_B.detach().float() @ lora.lora_A.detach().float())
         merged[f"{name}.weight"] = module.weight.detach().float() + delta
     return merged
+
+
+def _lora_linears(model) -> list[tuple[str, int, int]]:
+    """(name, in, out) of every nn.Linear LoRA targets: all but routers and the lm_head (public DenseMixer
+    setup)."""
+    routers = {id(v.router) for v in moe_views(model)}
+    out_emb = model.get_output_embeddings()
+    return [(n, m.in_features, m.out_features) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and id(m) not in routers and m is not out_emb]
+
+
+@register_cost_row("lora", order=60)
+def lora_costs(ctx: CostContext) -> dict:
+    """The estimate's row: rank ``lora_rank`` adapters on every linear and expert projection, the router
+    trained at full rank, the base weights frozen."""
+    counts, r = ctx.counts, ctx.opts.lora_rank
+    lin = _lora_linears(ctx.model)
+    lora_dense = sum(2 * r * (i + o) for _, i, o in lin)
+    lora_exp = sum(s.top_k * 2 * r * (3 * s.hidden + 3 * s.width) for s in counts.experts)
+    lora_params = sum(r * (i + o) for _, i, o in lin) + sum(
+        s.num_experts * r * (3 * s.hidden + 3 * s.width) for s in counts.experts) + counts.router
+    return ctx.row(
+        ctx.sft_f + lora_dense + lora_exp,
+        ctx.b_frozen + ctx.experts(lambda s: s.top_k) + 2 * (lora_dense + lora_exp) +
+        sum(2 * s.router_params for s in counts.experts),
+        lora_params, ctx.assign_k,
+        note=f"rank {r} on every linear and expert projection, router full rank (trained)")

@@ -38,7 +38,7 @@ class MethodSpec:
       tests); False: refused under ``hardware.ep_size > 1``;
     - ``refused_strategies``: the memory estimate's strategies it cannot train under (left out of plan's options);
     - ``cost_row``: the row of :mod:`moe_lab.analysis.estimate` that prices a run of it, or ``cost_row(cfg)``
-      choosing it (None: ``"sft"``);
+      choosing it (None: ``"sft"``); the row is registered by the method's module with ``register_cost_row``;
     - ``plan_lines(cfg, length)``: the lines ``plan=true`` prints for its own phases (``length``: the run's step
       counts, or None);
     - ``own_experts_pass``: its training pass computes the routed experts itself with grouped GEMMs (named here),

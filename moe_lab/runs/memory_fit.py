@@ -65,6 +65,7 @@ def sequence(cfg: DictConfig) -> tuple[int, int]:
 @functools.lru_cache(maxsize=32)
 def _estimate(model_json: str, seq_len: int, batch: int, gpus: int, dtype: str, condenser_n: int,
               with_student: bool) -> dict:
+    from .. import methods as _methods  # noqa: F401  (each method's module registers its row of the estimate)
     from ..analysis.estimate import Options, architecture_config, estimate
     from ..models import DTYPES
 

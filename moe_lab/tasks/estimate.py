@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .. import methods as _methods  # noqa: F401  (each method's module registers its row of the estimate)
 from ..analysis.estimate import Options, architecture_config, estimate
 from ..analysis.estimate_report import figure, write_tables
 from ..analysis.report import log_images

@@ -13,6 +13,7 @@ import transformers
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
+import moe_lab.methods  # noqa: F401  (its modules register every method's cost row but sft's)
 from moe_lab.analysis.estimate import Options, architecture_config, estimate
 from moe_lab.analysis.meta_costs import count_parameters, meta_model, quiet_init
 from tests.conftest import ROOT, build_tiny, tiny_model_cfg
@@ -181,6 +182,48 @@ def test_backward_relations_on_a_tiny_model():
         pytest.approx(layers * (c.num_experts_per_tok // 2) * e, rel=1e-12)
     # frozen weights skip weight gradients: ESFT's backward is below SFT's
     assert m["esft"]["flops_per_token_backward"] < m["sft"]["flops_per_token_backward"]
+
+
+def test_cost_rows_come_from_the_method_modules(monkeypatch):
+    """Each method's cost row is registered by its own module in moe_lab.methods (sft's by the estimate),
+    METHODS names them in order, estimate() prices exactly those rows in that order, a row registered anywhere
+    is priced from its own values and pricing (internal keys left out), and the sft row alone is refused."""
+    from moe_lab.analysis import estimate as est
+
+    assert est.METHODS == ("sft", "densemixer", "condenser_replace", "condenser_append", "compressed_experts",
+                           "esft", "lora", "kd", "dense_student")
+    assert est.COST_ROWS["sft"].__module__ == "moe_lab.analysis.estimate"
+    for name in est.METHODS[1:]:
+        assert est.COST_ROWS[name].__module__.startswith("moe_lab.methods."), name
+    config = architecture_config(tiny_model_cfg("olmoe"))  # top-2: every row applies
+    r = estimate(config, seq_len=8, batch=1, opts=Options(), dtype=torch.float32)
+    assert tuple(r["methods"]) == est.METHODS
+    assert not [k for row in r["methods"].values() for k in row if k.startswith("_")]
+
+    def toy(ctx):
+        return ctx.row(3 * ctx.sft_f, 5.0, 7, 11, note="toy", teacher_params=13,
+                       active_top_k=dict.fromkeys(ctx.k, 1))
+
+    with pytest.raises(ValueError, match="cost row 'sft' is registered twice"):
+        est.register_cost_row("sft")(toy)
+    monkeypatch.setitem(est.COST_ROWS, "toy", toy)
+    assert est.METHODS == (*tuple(r["methods"]), "toy")
+    m = estimate(config, seq_len=8, batch=1, opts=Options(), dtype=torch.float32)["methods"]
+    assert tuple(m) == est.METHODS
+    row, sft = m["toy"], m["sft"]
+    assert "_pricing" not in row and set(row) == set(sft)
+    assert row["flops_per_token_forward"] == 3 * sft["flops_per_token_forward"]
+    assert (row["flops_per_token_backward"], row["params_trainable"], row["expert_assignments_saved"],
+            row["note"]) == (5.0, 7, 11, "toy")
+    with quiet_init():
+        c = count_parameters(meta_model(config))
+    top1 = c.active(dict.fromkeys((s.layer for s in c.experts), 1))
+    assert row["params_active"] == top1 < sft["params_active"]
+    ddp = next(x for x in row["memory"] if x["strategy"] == "ddp" and not x["activation_checkpointing"])
+    assert (ddp["params_gb"], ddp["grads_gb"]) == ((c.total + 13) * 2 / 2**30, 7 * 2 / 2**30)  # teacher: 13
+    monkeypatch.setattr(est, "COST_ROWS", {"sft": est.COST_ROWS["sft"]})
+    with pytest.raises(RuntimeError, match="import moe_lab.methods"):
+        estimate(config, seq_len=8, batch=1, opts=Options())
 
 
 def test_missing_architecture_field_is_named():
