@@ -79,3 +79,43 @@ def test_a_run_that_would_not_end_or_not_start_is_refused(trainer, message):
 def test_given_reads_a_trainer_unchecked():
     assert RunLength.given({"max_steps": None, "max_epochs": 3}) == RunLength(-1, 3, 1)
     assert RunLength.given({"max_steps": 0}).step_limit is None and RunLength.given(None) == RunLength()
+
+
+def test_loop_defaults_are_lightnings_and_its_fields_are_trainer_arguments():
+    """Loop's defaults are the Trainer's own (so a field left out means what Lightning does), field by field."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    from moe_lab.core.settings import Loop
+
+    trainer = inspect.signature(Trainer.__init__).parameters
+    for f in dataclasses.fields(Loop):
+        assert f.name in trainer, f.name
+        assert f.default == trainer[f.name].default, (f.name, f.default, trainer[f.name].default)
+        assert f.metadata["doc"], f.name
+
+
+@pytest.mark.parametrize("trainer,message", [
+    ({"max_steps": 10, "accumulate_grad_batches": 0}, "task.trainer.accumulate_grad_batches=0 must be >= 1"),
+    ({"max_steps": 10, "log_every_n_steps": "5x"}, "task.trainer.log_every_n_steps='5x' is not a number"),
+    ({"max_steps": 10, "gradient_clip_algorithm": "l2"}, "task.trainer.gradient_clip_algorithm='l2' is unknown"),
+    ({"max_steps": 10, "limit_val_batches": -1}, "task.trainer.limit_val_batches=-1 must be >= 0"),
+    ({"max_steps": 10, "val_check_interval": 2.5}, "task.trainer.val_check_interval=2.5: use a number of training"),
+    ({"max_steps": 10, "num_node": 2}, ("task.trainer.num_node is not an argument of Lightning's Trainer; did "
+                                        "you mean task.trainer.num_nodes")),
+])
+def test_read_loop_refuses_by_field(trainer, message):
+    from moe_lab.core.settings import read_loop
+
+    with pytest.raises(ValueError) as refused:
+        read_loop(trainer)
+    assert message in str(refused.value)
+
+
+def test_read_loop_passes_any_trainer_argument_through():
+    from moe_lab.core.settings import read_loop
+
+    given = {"max_steps": 10, "val_check_interval": 0.5, "num_nodes": 2, "deterministic": True,
+             "check_val_every_n_epoch": None}
+    assert read_loop(given) == given

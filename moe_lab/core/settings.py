@@ -1,5 +1,6 @@
-"""Typed settings: the optimizer (``task.optim``), the learning-rate schedule (``task.scheduler``) and the run's
-length (``task.trainer.max_steps`` / ``max_epochs`` / ``accumulate_grad_batches``). Each field's default, type,
+"""Typed settings: the optimizer (``task.optim``), the learning-rate schedule (``task.scheduler``), the training
+loop (``task.trainer``: :class:`Loop`) and the run's length (``task.trainer.max_steps`` / ``max_epochs`` /
+``accumulate_grad_batches``). Each field's default, type,
 range and doc line is written once, in its dataclass; :func:`read` turns a config node into the dataclass and
 refuses a value of the wrong type, out of its range or under an unknown key, naming the field and the fix. The
 methods train from these objects; the preflight, the plan, the resume and the teacher-logits record read the run's
@@ -91,6 +92,67 @@ class Schedule:
     warmup_ratio: float | None = setting(None, "warm-up as a fraction of the run's optimizer steps (HF: ceil); "
                                          "overrides warmup_steps", low=0, high=1, kind="float")
     min_lr_ratio: float = setting(0.0, "the rate at the last step, as a fraction of lr", low=0, high=1, kind="float")
+
+
+@dataclass
+class Loop:
+    """``task.trainer``: the Lightning ``Trainer`` loop settings moe-lab reads, typed. The defaults are Lightning's
+    (each task's config sets its own values: conf/task/finetune.yaml); any other ``Trainer`` argument in
+    ``task.trainer`` (``+task.trainer.num_nodes=2``) is passed to Lightning as it is, and one the ``Trainer``
+    does not take is refused by name (:func:`read_loop`). The run's length is :class:`RunLength`'s."""
+
+    max_steps: int = setting(-1, "optimizer steps (-1: no limit, the epochs end the run)", low=-1, kind="int")
+    max_epochs: int | None = setting(None, "epochs (-1: no limit; null: Lightning's 1000 when max_steps is -1)",
+                                     low=-1, kind="int")
+    accumulate_grad_batches: int = setting(1, "micro-batches per optimizer step", low=1, kind="int")
+    log_every_n_steps: int | None = setting(None, "training batches between logged rows (null: 50)", low=1,
+                                            kind="int")
+    val_check_interval: float | None = setting(None, "validate every N training batches (a whole number) or a "
+                                               "fraction of an epoch in (0, 1]", kind="float")
+    check_val_every_n_epoch: int | None = setting(1, "validate every N epochs (null: by val_check_interval alone)",
+                                                  low=1, kind="int")
+    limit_val_batches: float | None = setting(None, "validation batches per validation (a whole number) or a "
+                                              "fraction of the set (null: all)", low=0, kind="float")
+    limit_train_batches: float | None = setting(None, "training batches per epoch (a whole number) or a fraction "
+                                                "(null: all)", low=0, kind="float")
+    gradient_clip_val: float | None = setting(None, "clip gradients to this norm (or value); null or 0: no "
+                                              "clipping", low=0, kind="float")
+    gradient_clip_algorithm: str | None = setting(None, "norm | value (null: norm)", choices=("norm", "value"))
+    num_sanity_val_steps: int | None = setting(None, "validation batches before training (-1: all; null: 2)",
+                                               low=-1, kind="int")
+    enable_progress_bar: bool | None = setting(None, "Lightning's progress bar (moe-lab sets it: on with "
+                                               "callbacks=progress_bar)")
+    enable_model_summary: bool | None = setting(None, "Lightning's model summary table (null: on)")
+
+
+def read_loop(node, prefix: str = "task.trainer") -> dict:
+    """``task.trainer`` checked: each :class:`Loop` field against its type and range; any other key must be an
+    argument of Lightning's ``Trainer`` (a ValueError naming it and the close ones otherwise). Returns the values
+    as given."""
+    values = to_plain(node) or {}
+    fields = {f.name: f for f in dataclasses.fields(Loop)}
+    for name, value in values.items():
+        if name in fields:
+            _checked(f"{prefix}.{name}", value, fields[name].metadata)
+    interval = values.get("val_check_interval")
+    if interval is not None and (interval <= 0 or (isinstance(interval, float) and not interval.is_integer()
+                                                   and interval > 1)):
+        raise ValueError(f"{prefix}.val_check_interval={interval}: use a number of training batches (e.g. "
+                         "250) or a fraction of an epoch in (0, 1]")
+    others = sorted(set(values) - set(fields))
+    if others:
+        import difflib
+        import inspect
+
+        from lightning.pytorch import Trainer
+
+        accepted = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+        for name in others:
+            if name not in accepted:
+                close = difflib.get_close_matches(name, sorted(accepted | set(fields)), n=3)
+                hint = f"; did you mean {' or '.join(f'{prefix}.{c}' for c in close)}?" if close else ""
+                raise ValueError(f"{prefix}.{name} is not an argument of Lightning's Trainer{hint}")
+    return values
 
 
 STEPS, EPOCHS = "task.trainer.max_steps", "task.trainer.max_epochs"

@@ -11,16 +11,14 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.settings import Optim, RunLength, Schedule, number, read
+from ..core.settings import Optim, RunLength, Schedule, number, read, read_loop
 
 log = logging.getLogger(__name__)
 
 # field -> (kind, smallest allowed value, strictly greater?) of a task=finetune run (a finetune that would not move its
-# weights, lr 0, is refused); task.optim and task.scheduler are also read by their settings classes
+# weights, lr 0, is refused); task.optim, task.scheduler and task.trainer are read by their settings classes
 FINETUNE_NUMBERS = {
     "task.optim.lr": ("float", 0.0, True),
-    "task.trainer.log_every_n_steps": ("int", 1, False),
-    "task.trainer.accumulate_grad_batches": ("int", 1, False),
     "task.checkpoint_every_n_steps": ("int", 1, False),
     "dataset.batch_size": ("int", 1, False),
     "dataset.max_length": ("int", 1, False),
@@ -46,16 +44,11 @@ def check_numbers(cfg: DictConfig) -> None:
             raise ValueError(f"{field}={value} must be {relation}")
     read(Optim, OmegaConf.select(cfg, "task.optim", default=None), "task.optim")
     read(Schedule, OmegaConf.select(cfg, "task.scheduler", default=None), "task.scheduler")
-    interval = OmegaConf.select(cfg, "task.trainer.val_check_interval", default=None)
-    if interval is not None:
-        interval = number("task.trainer.val_check_interval", interval, "float")
-        if interval <= 0 or (isinstance(interval, float) and not interval.is_integer() and interval > 1):
-            raise ValueError(f"task.trainer.val_check_interval={interval}: use a number of training batches (e.g. "
-                             "250) or a fraction of an epoch in (0, 1]")
-        accumulate = OmegaConf.select(cfg, "task.trainer.accumulate_grad_batches", default=1) or 1
-        if isinstance(interval, int) and interval > 1 and int(accumulate) > 1:  # Lightning counts micro-batches
-            log.info("task.trainer.val_check_interval=%d counts training batches: with accumulate_grad_batches=%d "
-                     "validation runs every %g optimizer steps", interval, int(accumulate), interval / int(accumulate))
+    loop = read_loop(OmegaConf.select(cfg, "task.trainer", default=None))
+    interval, accumulate = loop.get("val_check_interval"), int(loop.get("accumulate_grad_batches") or 1)
+    if isinstance(interval, int) and interval > 1 and accumulate > 1:  # Lightning counts micro-batches
+        log.info("task.trainer.val_check_interval=%d counts training batches: with accumulate_grad_batches=%d "
+                 "validation runs every %g optimizer steps", interval, accumulate, interval / accumulate)
 
 
 def check_hardware(cfg: DictConfig) -> None:
