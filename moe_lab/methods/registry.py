@@ -10,7 +10,9 @@ here; ``moe_lab.methods`` imports every module of its package, so a new method's
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +154,32 @@ def install_exported_routing(model: nn.Module, directory: str | Path) -> MoEPatc
     return None
 
 
+#: an installer annotation -> what it accepts (a float also takes a whole number; bool is not a number)
+_ACCEPTS = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str),
+            dict: lambda v: isinstance(v, Mapping), Mapping: lambda v: isinstance(v, Mapping)}
+
+
+def check_option_types(method: str, installer: Callable, options: dict) -> None:
+    """Refuse an option whose value is not of the type its installer parameter is annotated with (``int``,
+    ``float``, ``bool``, ``str``, a mapping, or one of them ``| None``), naming the option and the type: the
+    installer's signature is the one place of each option's type and default."""
+    hints = typing.get_type_hints(installer)
+    for name, value in options.items():
+        hint = hints.get(name)
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if value is None and type(None) in kinds:
+            continue
+        checks = [_ACCEPTS[k] for k in kinds if k in _ACCEPTS]
+        if not checks or len(checks) != len([k for k in kinds if k is not type(None)]):
+            continue  # an annotation this check does not read: the installer checks the value itself
+        if not any(check(value) for check in checks):
+            expected = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
+            text_number = isinstance(value, str) and (int in kinds or float in kinds)
+            raise ValueError(f"method {method!r}: option {name}={value!r} must be {expected} (method.options.{name} "
+                             "in a run's config" + ("; YAML reads 1e-3 as text: write 1.0e-3)" if text_number else ")"))
+
+
 def supported_methods() -> list[str]:
     """Names accepted by :func:`apply`."""
     return sorted(METHODS)
@@ -172,6 +200,7 @@ def apply(model: nn.Module, method: str = "sft", lora: dict | None = None, **opt
         raise TypeError(
             f"method {method!r} got unknown option(s) {unknown}; it accepts {sorted(accepted) or 'none'}"
         )
+    check_option_types(method, installer, options)
     base_parameters = {id(p) for p in model.parameters()}
     patch = MoEPatch(model, method=method)
     installer(patch, **options)

@@ -3,6 +3,8 @@ modules; the same function again is not), and a run config's installer found by 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -67,3 +69,18 @@ def test_the_facts_a_run_reads_off_a_lightning_module_class():
     assert module_fact(gone, "export_manifest", "default") == "default"
     with pytest.raises(ValueError, match=r"method._target_ is missing"):
         module_class(OmegaConf.create({"name": "kd"}))
+
+
+def test_an_option_of_the_wrong_type_is_refused_by_its_installer_annotation():
+    """The installer's signature types its options: a float takes a whole number, ``| None`` takes None, and a
+    value of another type is refused naming the option (YAML's ``1e-3`` without a dot is text)."""
+    from moe_lab.methods.registry import check_option_types
+
+    condenser = METHODS["condenser"].install
+    check_option_types("condenser", condenser, {"gamma": 1, "n": 0, "center": True, "bias_file": None,
+                                                "experts": {0: [1]}, "select": "lowest_bias"})
+    for option, value, expected in [("gamma", "1e-3", "float"), ("n", 2.0, "int"), ("center", 1, "bool"),
+                                    ("n", True, "int"), ("experts", [1, 2], "dict or NoneType")]:
+        with pytest.raises(ValueError, match=re.escape(f"method 'condenser': option {option}={value!r} must be "
+                                                       f"{expected} (method.options.{option}")):
+            check_option_types("condenser", condenser, {option: value})
