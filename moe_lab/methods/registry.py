@@ -174,10 +174,10 @@ def check_option_types(method: str, installer: Callable, options: dict) -> None:
         if not checks or len(checks) != len([k for k in kinds if k is not type(None)]):
             continue  # an annotation this check does not read: the installer checks the value itself
         if not any(check(value) for check in checks):
-            expected = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
+            expected = " or ".join("None" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)
             text_number = isinstance(value, str) and (int in kinds or float in kinds)
-            raise ValueError(f"method {method!r}: option {name}={value!r} must be {expected} (method.options.{name} "
-                             "in a run's config" + ("; YAML reads 1e-3 as text: write 1.0e-3)" if text_number else ")"))
+            raise ValueError(f"method.options.{name}={value!r} must be {expected} (an option of method {method!r})"
+                             + ("; YAML reads 1e-3 as text: write 1.0e-3" if text_number else ""))
 
 
 def supported_methods() -> list[str]:

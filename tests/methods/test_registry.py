@@ -80,7 +80,7 @@ def test_an_option_of_the_wrong_type_is_refused_by_its_installer_annotation():
     check_option_types("condenser", condenser, {"gamma": 1, "n": 0, "center": True, "bias_file": None,
                                                 "experts": {0: [1]}, "select": "lowest_bias"})
     for option, value, expected in [("gamma", "1e-3", "float"), ("n", 2.0, "int"), ("center", 1, "bool"),
-                                    ("n", True, "int"), ("experts", [1, 2], "dict or NoneType")]:
-        with pytest.raises(ValueError, match=re.escape(f"method 'condenser': option {option}={value!r} must be "
-                                                       f"{expected} (method.options.{option}")):
+                                    ("n", True, "int"), ("experts", [1, 2], "dict or None")]:
+        with pytest.raises(ValueError, match=re.escape(f"method.options.{option}={value!r} must be {expected} (an "
+                                                       "option of method 'condenser')")):
             check_option_types("condenser", condenser, {option: value})
