@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from ..analysis.estimate import CostContext, expert_sum, register_cost_row
 from ..core.plain import to_plain as _plain
 from ..data.packing import model_inputs, real_token_mask
 from ..distill.losses import chunked_head_kd, hidden_mse_sum
@@ -464,7 +465,6 @@ class KDModule(MoELightningModule):
 
 
 # the estimate's rows of KD and of the dense student alone (moe_lab.analysis.estimate), priced on the student
-from ..analysis.estimate import CostContext, expert_sum, register_cost_row
 
 
 def _student_costs(ctx: CostContext):
