@@ -224,9 +224,9 @@ def plan(cfg: DictConfig) -> dict:
     if cfg.task.name in tasks_where(trains=True) and "trainer" in cfg.task:
         tokenizer, how = _tokenizer(model)
         data = data_plan(cfg.dataset, tokenizer)
-        t = cfg.task.trainer
-        length = optimizer_steps(data["train_rows"], int(cfg.dataset.batch_size), int(t.accumulate_grad_batches),
-                                 world, int(t.get("max_epochs", -1) or -1), int(t.get("max_steps", -1)))
+        run = RunLength.given(cfg.task.trainer)
+        length = optimizer_steps(data["train_rows"], int(cfg.dataset.batch_size), run.accumulate_grad_batches,
+                                 world, run.max_epochs, run.max_steps)
         sched = schedule_points(length["optimizer_steps"], cfg.task.get("scheduler"))
         summary.update(data=data, tokenizer=how, length=length, schedule=sched)
         if "train_examples" in data:

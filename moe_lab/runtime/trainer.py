@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.settings import RunLength
 from . import slurm
 from .after_validation import ResumeAfterValidation
 from .checkpoint_io import AtomicCheckpointIO, checkpoint_callback
@@ -41,9 +42,9 @@ def build_trainer(cfg: DictConfig, out: Path, loggers: list, callbacks: list) ->
                       **OmegaConf.to_container(cfg.task.trainer, resolve=True)}
     strategy = build_strategy(trainer_kwargs)
     # a run shorter than log_every_n_steps still logs its loss (and gets a loss curve)
-    if trainer_kwargs.get("max_steps", -1) > 0:
-        trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50),
-                                                  trainer_kwargs["max_steps"])
+    steps = RunLength.given(trainer_kwargs).step_limit
+    if steps is not None:
+        trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps") or 50, steps)
     trainer_kwargs["enable_progress_bar"] = any(isinstance(c, ProgressBar) for c in callbacks)
     checkpoint = checkpoint_callback(out / "checkpoints", cfg.task.checkpoint_every_n_steps,
                                      cfg.task.get("keep_last_checkpoints", 0))
