@@ -230,7 +230,15 @@ def measure(model: nn.Module, batch: int, seq_len: int, train_non_experts: bool 
     _ACTIVE.append(counter)
     try:
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(inputs_embeds=embeds).logits
+            # an explicit 4-D mask: transformers builds none on the meta device, and the layers of sparse-attention
+            # families (DeepSeek-V3.2's DSA, GLM-MoE-DSA, ...) index it; the counts of every other family are the same
+            mask = torch.ones(batch, 1, seq_len, seq_len, dtype=torch.bool, device="meta")
+            try:
+                logits = model(inputs_embeds=embeds, attention_mask=mask).logits
+            except NotImplementedError as err:  # a data-dependent op (torch.nonzero) has no meta value
+                raise ValueError(f"{model.config.model_type}: its forward cannot run on the meta device "
+                                 f"({str(err).split(',')[0]}), so its costs cannot be measured without "
+                                 "weights") from None
             loss = logits.float().sum()
         counter.phase, counter.where["layer"] = "backward", "other"
         with counter:

@@ -376,3 +376,20 @@ def test_images_go_to_wandb_offline(tmp_path, monkeypatch):
         wandb.finish()
     images = list((tmp_path / "wandb").glob("offline-run-*/files/media/images/estimate/*.png"))
     assert len(images) == 1 and images[0].stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("family", ["axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4"])
+def test_sparse_attention_families_are_measured_with_an_explicit_mask(family):
+    """These families' layers index the 4-D attention mask transformers does not build on the meta device: the
+    measurement passes one, so every row is priced (it raised before)."""
+    r = estimate(architecture_config(tiny_model_cfg(family)), seq_len=8, batch=1, opts=Options(), dtype=torch.float32,
+                 with_student=False)
+    assert r["methods"]["sft"]["flops_per_token_forward"] > 0 and "densemixer" in r["methods"]
+    assert all(row["flops_per_token_forward_sft"] > 0 for row in r["per_layer"])
+
+
+def test_a_family_whose_forward_cannot_run_on_meta_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"qwen4_exp_text: its forward cannot run on the meta device \(The "
+                                         r"register_meta function for torch.nonzero\(\)"):
+        estimate(architecture_config(tiny_model_cfg("qwen4_exp_text")), seq_len=8, batch=1, opts=Options(),
+                 dtype=torch.float32, with_student=False)
