@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.registration import register_once
 from .meta_costs import Measured, ParamCounts, count_parameters, measure, meta_model, moe_views, quiet_init
 
 log = logging.getLogger(__name__)
@@ -127,24 +128,25 @@ def register_cost_row(name: str, order: float | None = None) -> Callable[[Callab
     estimate's row ``name`` (what a method's ``cost_row`` names). ``order`` places it among the rows (tables,
     JSON, :data:`METHODS`); rows without one follow, in registration order. A second, other function under
     ``name`` is refused."""
+    store = register_once(COST_ROWS, name, "cost row")
+
     def register(fn: Callable) -> Callable:
-        known = COST_ROWS.get(name)
-        if known is not None and known is not fn:
-            raise ValueError(f"cost row {name!r} is registered twice: {known.__module__} and {fn.__module__}")
-        COST_ROWS[name] = fn
+        store(fn)  # refuses another function under ``name`` before its order is taken
         _ORDER[name] = math.inf if order is None else order
-        ranked = sorted(COST_ROWS.items(), key=lambda item: _ORDER.get(item[0], math.inf))  # stable
-        COST_ROWS.clear()
-        COST_ROWS.update(ranked)
         return fn
 
     return register
 
 
+def _ordered() -> list[tuple[str, Callable]]:
+    """:data:`COST_ROWS` by their ``order`` (rows without one last, in registration order)."""
+    return sorted(COST_ROWS.items(), key=lambda item: _ORDER.get(item[0], math.inf))  # stable
+
+
 def __getattr__(name: str):
     """``METHODS``: the names of :data:`COST_ROWS`, in order (read when asked: method modules add rows)."""
     if name == "METHODS":
-        return tuple(COST_ROWS)
+        return tuple(name for name, _ in _ordered())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -160,7 +162,7 @@ def method_costs(model, counts: ParamCounts, trained, frozen, opts: Options, stu
     of :data:`COST_ROWS` that applies, in order (each with its :class:`RowPricing` under ``_pricing``)."""
     ctx = CostContext.build(model, counts, trained, frozen, opts, student)
     out = {}
-    for name, cost in COST_ROWS.items():
+    for name, cost in _ordered():
         row = cost(ctx)
         if row is not None:
             out[name] = row

@@ -7,5 +7,6 @@
 - :mod:`.task_table`: one row per ``task=X`` (its run, whether it trains, how it resumes, its manifest, its maps).
 - :mod:`.stamped_log`: the resumable logs of finished work, stamped with their settings (CSV points, JSONL records);
 - :mod:`.method_class`: the LightningModule class a method config names, whose class attributes are its facts;
-- :mod:`.settings`: the typed optimizer, schedule and run length.
+- :mod:`.settings`: the typed optimizer, schedule, training loop and run length;
+- :mod:`.registration`: the decorator every registration table is filled with (a key taken twice is refused).
 """

@@ -35,11 +35,6 @@ def writer(export: Path):
     return None, None, None
 
 
-def writer_task(export: Path) -> str | None:
-    """``task.name`` of the run that wrote ``export``, if recorded."""
-    return writer(export)[0]
-
-
 def check_export(path, field: str) -> None:
     """Raise ``FileNotFoundError`` naming what is missing when ``path`` (the value of ``field``) is an export of a
     task whose row of the task table says ``manifest="run"`` (``"points"``: an export of one of its points), or of

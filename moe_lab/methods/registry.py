@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..core.registration import register_once
 from ..moe.block import MoEBlock
 from ..moe.experts_backend import check_name
 from ..moe.patch import MoEPatch
@@ -73,22 +74,10 @@ METHODS: dict[str, MethodSpec] = {}
 ADAPTERS: dict[str, Callable] = {}
 
 
-def _register(table: dict, key: str, what: str, entry: Callable = lambda fn: fn) -> Callable[[Callable], Callable]:
-    """A decorator storing ``entry(fn)`` as ``table[key]``; a second, other function under ``key`` is refused."""
-    def register(fn: Callable) -> Callable:
-        known = getattr(table.get(key), "install", table.get(key))  # a MethodSpec's function, or the function
-        if known is not None and known is not fn:
-            raise ValueError(f"{what} {key!r} is registered twice: {known.__module__} and {fn.__module__}")
-        table[key] = entry(fn)
-        return fn
-
-    return register
-
-
 def register_method(name: str, **facts) -> Callable[[Callable], Callable]:
     """``@register_method("sft", **facts)`` on an installer: ``apply(model, "sft", **options)`` calls it; ``facts``
     are the other fields of its :class:`MethodSpec`."""
-    return _register(METHODS, name, "method", lambda install: MethodSpec(name, install, **facts))
+    return register_once(METHODS, name, "method", lambda install: MethodSpec(name, install, **facts))
 
 
 def method_of(cfg) -> MethodSpec | None:
@@ -132,13 +121,13 @@ def expert_parallel_methods() -> list[str]:
 
 def register_adapter(name: str) -> Callable[[Callable], Callable]:
     """``@register_adapter("lora")`` on an adapter: ``apply(model, method, lora={...})`` adds it."""
-    return _register(ADAPTERS, name, "adapter")
+    return register_once(ADAPTERS, name, "adapter")
 
 
 def register_export_loader(filename: str) -> Callable[[Callable], Callable]:
     """``@register_export_loader(STATE_FILE)`` on a loader ``(model, directory) -> MoEPatch``: an export
     holding ``filename`` gets its method re-installed by :func:`install_exported_routing`."""
-    return _register(EXPORT_LOADERS, filename, "export loader")
+    return register_once(EXPORT_LOADERS, filename, "export loader")
 
 
 # files a method writes beside an export -> the loader that re-installs that method on the vanilla model
