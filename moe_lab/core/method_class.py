@@ -4,7 +4,11 @@ methods read them by the recorded name, without importing the methods."""
 
 from __future__ import annotations
 
+import logging
+
 from hydra.utils import get_class
+
+log = logging.getLogger(__name__)
 
 
 def module_class(method_cfg) -> type:
@@ -21,5 +25,9 @@ def module_fact(method_cfg, name: str, default=None):
     config names none or a class that no longer imports (a run written by another version)."""
     try:
         return getattr(module_class(method_cfg), name, default)
-    except (ValueError, ImportError):
+    except ValueError:
+        return default
+    except ImportError:
+        log.warning("method._target_=%s does not import here: its %s is read as %r", method_cfg.get("_target_"),
+                    name, default)
         return default
