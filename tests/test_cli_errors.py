@@ -68,6 +68,16 @@ def test_bad_value_ends_with_its_message_and_no_traceback(tmp_path):
     assert "Traceback" in log and "is not a number" in log  # the traceback is kept in the run's log
 
 
+def test_a_trainer_argument_lightning_does_not_take_is_refused_before_anything_loads(tmp_path):
+    """``+task.trainer.<x>`` passes any Trainer argument through; a misspelt one is refused by the preflight's
+    loop check, naming the close ones, and no run directory content beyond the log is written."""
+    proc = run_py("+task.trainer.num_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == ("Error: task.trainer.num_node is not an argument of Lightning's "
+                                                    "Trainer; did you mean task.trainer.num_nodes?"), proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_hydra_full_error_keeps_the_traceback(tmp_path):
     proc = run_py("task.trainer.max_steps=1k", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
                   HYDRA_FULL_ERROR="1")

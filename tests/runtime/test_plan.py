@@ -324,3 +324,14 @@ def test_plan_under_expert_parallelism_shows_the_ep_memory_and_all_to_all(tmp_pa
     with pytest.raises(ValueError, match="method=compressed_experts under hardware.ep_size=8: .*gate_up_intermediate"):
         _plan("condenser/s1_qwen3", tmp_path / "ce", "hardware=gpu_ep", "method=compressed_experts",
               "method.options.form=gate_up_intermediate")
+
+
+@pytest.mark.parametrize("model", ["tiny_deepseek_v32", "tiny_glm_moe_dsa"])
+def test_plan_of_a_sparse_attention_family_has_its_memory_row(model, tmp_path):
+    """plan=true on DeepSeek-V3.2 / GLM-MoE-DSA, through run.execute as `python run.py model=<m> plan=true` does:
+    the memory estimate measures their meta forward with an explicit mask (it raised before)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"model={model}", "plan=true", "debug=fast",
+                                                        f"paths.output_dir={tmp_path / 'run'}"])
+    summary = run.execute(cfg)
+    assert summary["memory"]["gpu_gb"] > 0 and summary["length"]["optimizer_steps"] > 0
